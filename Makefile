@@ -1,0 +1,35 @@
+# MOSS-VL on Ascend NPU — developer entry points. `make help` lists them.
+SHELL := /bin/bash
+PYTHON_BASE ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.setup-done
+# CPU runs only: the import-only sgl_kernel stand-in and sglang's CPU engine switch.
+CPU_ENV := SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=$(CURDIR)/cpu_shim HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+PORT ?= 30000
+DEVICE ?= cpu
+ARGS ?=
+
+.PHONY: help setup test demo serve tiny-model bench bench-serving clean
+
+help:
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+setup: $(STAMP) ## create .venv: torch 2.14.1 (local wheels), sglang 0.5.23 --no-deps, CPU runtime deps, the plugin
+
+$(STAMP): requirements-cpu.txt requirements-test.txt sglang/pyproject.toml
+	test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
+	$(PIP) install -q --no-deps sglang==0.5.23
+	$(PIP) install -q -r requirements-cpu.txt -r requirements-test.txt -c constraints-torch.txt
+	$(PIP) install -q --no-deps -e sglang/
+	$(PY) -c "import sglang, torch; assert sglang.__version__ == '0.5.23', sglang.__version__; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+	touch $@
+
+test: setup ## run the whole CPU test suite
+	$(CPU_ENV) $(PY) -m pytest tests -q
+
+clean: ## remove the venv and built artefacts
+	rm -rf $(VENV) build

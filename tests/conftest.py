@@ -1,0 +1,18 @@
+"""Test-session set-up: the CPU engine environment, before anything imports sglang.
+
+The Makefile sets the same variables; setting them here too lets `pytest` run directly.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CPU_SHIM = REPO_ROOT / "cpu_shim"
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+for path in (str(CPU_SHIM), str(REPO_ROOT)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
