@@ -18,12 +18,12 @@ help:
 
 setup: $(STAMP) ## create .venv: torch 2.14.1 (local wheels), sglang 0.5.23 --no-deps, CPU runtime deps, the plugin
 
-$(STAMP): requirements-cpu.txt requirements-test.txt sglang/pyproject.toml
+$(STAMP): requirements-sglang-runtime.txt requirements-test.txt sglang/pyproject.toml
 	test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
 	$(PIP) install -q --no-deps sglang==0.5.23
-	$(PIP) install -q -r requirements-cpu.txt -r requirements-test.txt -c constraints-torch.txt
+	$(PIP) install -q -r requirements-sglang-runtime.txt -r requirements-test.txt -c constraints-torch.txt
 	$(PIP) install -q --no-deps -e sglang/
 	$(PY) -c "import sglang, torch; assert sglang.__version__ == '0.5.23', sglang.__version__; print('sglang', sglang.__version__, 'torch', torch.__version__)"
 	touch $@

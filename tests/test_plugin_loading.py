@@ -1,0 +1,58 @@
+"""The plugin loads exactly as production loads it: sglang's entry-point discovery in a fresh interpreter.
+
+Each case runs ``sglang.srt.plugins.load_plugins()`` in a subprocess (the CPU environment, no torch_npu) and
+reports which hooks our plugin registered and whether sglang's HookRegistry applied every one of them.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = r"""
+import json, logging
+logging.basicConfig(level=logging.INFO)
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+load_plugins()
+ours = sorted(t for t, hooks in HookRegistry._hooks.items() if any(s and s.plugin_name == "mossvl_ascend" for _, _, s in hooks))
+import mossvl_ascend
+print("PROBE" + json.dumps({"ours": ours, "unapplied": [t for t in ours if t not in HookRegistry._patched],
+                            "modules": list(mossvl_ascend.PATCH_MODULES)}))
+"""
+
+
+def run_probe(extra_env: dict[str, str]) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
+    env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=str(REPO_ROOT / "cpu_shim"), **extra_env)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("PROBE"))
+    return json.loads(line[len("PROBE"):]), proc.stderr
+
+
+def test_entry_point_is_registered():
+    names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert names.get("mossvl_ascend") == "mossvl_ascend:register"
+
+
+def test_load_plugins_executes_register_and_applies_every_hook():
+    report, log = run_probe({})
+    assert "Executed general plugin: mossvl_ascend" in log
+    assert "Failed to execute general plugin: mossvl_ascend" not in log
+    assert report["unapplied"] == [], f"hooks registered but not applied: {report['unapplied']}\n{log[-3000:]}"
+    if report["modules"]:
+        assert report["ours"], "patch modules are listed but registered no hook"
+
+
+def test_sglang_plugins_whitelist_excludes_us():
+    report, log = run_probe({"SGLANG_PLUGINS": "smg-zmq"})
+    assert "Skipping plugin mossvl_ascend (not in SGLANG_PLUGINS)" in log
+    assert "Executed general plugin: mossvl_ascend" not in log
+    assert report["ours"] == []

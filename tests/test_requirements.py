@@ -1,0 +1,96 @@
+"""The pinned dependency files agree with the sglang 0.5.23 wheel's own metadata.
+
+Oracle: ``importlib.metadata.requires("sglang")`` of the installed, pinned wheel.
+"""
+
+from importlib.metadata import requires, version
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# sglang requirements that exist only for CUDA (or pin a torch the NPU/CPU stacks cannot use); they must not be
+# installed on NPU. Every other runtime requirement must be covered.
+CUDA_ONLY = {
+    canonicalize_name(n)
+    for n in (
+        "sglang-kernel", "flashinfer_python", "flash-attn-4", "nvidia-cutlass-dsl", "nvidia-mathdx",
+        "nvshmem4py-cu13", "cuda-python", "tilelang", "quack-kernels", "humming-kernels", "sgl-deep-ep",
+        "sgl-deep-gemm", "sgl-flash-mla", "torch_memory_saver", "kernels",
+    )
+}
+# Pinned by sglang to builds that drag in another torch; replaced on purpose (video decoding uses PyAV).
+REPLACED = {canonicalize_name(n) for n in ("torchaudio", "torchcodec", "torch", "torchvision")}
+FORBIDDEN_PREFIXES = ("nvidia-", "flashinfer", "flash-attn", "sgl-deep", "sglang-kernel", "cutlass", "deep-ep")
+# Pure-Python NVML bindings that sglang imports unconditionally; no CUDA library comes with it.
+ALLOWED_NVIDIA = {"nvidia-ml-py"}
+
+
+def read_requirements(path: Path) -> dict[str, Requirement]:
+    """Parse a pip requirements file, following ``-r`` includes; ignores options and local paths."""
+    found: dict[str, Requirement] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line or line.startswith(("--", "./")):
+            continue
+        if line.startswith("-r "):
+            found.update(read_requirements(path.parent / line[3:].strip()))
+            continue
+        req = Requirement(line)
+        found[canonicalize_name(req.name)] = req
+    return found
+
+
+def sglang_runtime_requirements() -> dict[str, Requirement]:
+    env = default_environment()
+    env["extra"] = ""
+    reqs = (Requirement(r) for r in requires("sglang"))
+    return {canonicalize_name(r.name): r for r in reqs if r.marker is None or r.marker.evaluate(env)}
+
+
+def test_installed_sglang_is_the_pinned_release():
+    assert version("sglang") == "0.5.23"
+
+
+def test_npu_closure_covers_every_non_cuda_runtime_dependency():
+    npu = read_requirements(REPO_ROOT / "requirements-npu.txt")
+    missing = set(sglang_runtime_requirements()) - CUDA_ONLY - REPLACED - set(npu)
+    assert not missing, f"requirements-npu.txt lacks sglang runtime deps: {sorted(missing)}"
+
+
+def test_npu_closure_pins_agree_with_sglang():
+    npu = read_requirements(REPO_ROOT / "requirements-npu.txt")
+    for name, wanted in sglang_runtime_requirements().items():
+        if name in CUDA_ONLY or name in REPLACED:
+            continue
+        pinned = npu[name]
+        assert str(pinned.specifier).startswith("=="), f"{name} is not pinned exactly: {pinned}"
+        pinned_version = str(pinned.specifier)[2:]
+        assert wanted.specifier.contains(pinned_version, prereleases=True), (
+            f"{name}: sglang wants {wanted.specifier}, requirements pin {pinned_version}"
+        )
+
+
+def test_npu_closure_has_no_cuda_only_package():
+    npu = read_requirements(REPO_ROOT / "requirements-npu.txt")
+    assert not set(npu) & CUDA_ONLY
+    assert not [n for n in npu if n.startswith(FORBIDDEN_PREFIXES) and n not in ALLOWED_NVIDIA]
+
+
+def test_torch_and_torch_npu_agree():
+    npu = read_requirements(REPO_ROOT / "requirements-npu.txt")
+    torch_version = str(npu["torch"].specifier).removeprefix("==")
+    torch_npu_version = str(npu["torch-npu"].specifier).removeprefix("==")
+    assert torch_version.split(".")[:3] == torch_npu_version.split(".")[:3], (torch_version, torch_npu_version)
+    assert npu["torchvision"].specifier.contains("0.29.0")
+    assert "transformers" in npu and npu["transformers"].specifier.contains(version("transformers"))
+
+
+def test_cpu_environment_installs_no_cuda_only_package():
+    from importlib.metadata import distributions
+
+    installed = {canonicalize_name(d.metadata["Name"]) for d in distributions()}
+    assert not installed & CUDA_ONLY, sorted(installed & CUDA_ONLY)
