@@ -31,5 +31,13 @@ $(STAMP): requirements-sglang-runtime.txt requirements-test.txt sglang/pyproject
 test: setup ## run the whole CPU test suite
 	$(CPU_ENV) $(PY) -m pytest tests -q
 
+demo: setup ## serve the embedded tiny MOSS-VL with sglang + plugin, ask about assets/demo.png, stop the server
+	$(CPU_ENV) $(PY) -m serving.demo
+
+MODEL ?= $(shell $(CPU_ENV) $(PY) -m moss_vl_reference.tiny_checkpoint 2>/dev/null | tail -n 1)
+serve: setup ## foreground server on 127.0.0.1:$(PORT); override MODEL=, DEVICE=, PORT=, ARGS=
+	$(if $(filter cpu,$(DEVICE)),$(CPU_ENV)) $(PY) -m sglang.launch_server --model-path $(MODEL) --device $(DEVICE) \
+	  --host 127.0.0.1 --port $(PORT) --trust-remote-code --enable-multimodal --max-total-tokens 16384 $(ARGS)
+
 clean: ## remove the venv and built artefacts
 	rm -rf $(VENV) build
