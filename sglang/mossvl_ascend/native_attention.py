@@ -1,0 +1,442 @@
+"""MOSS-VL attention math in the Ascend torch-native backend (issue 4, items 3, 4, 5).
+
+On an Ascend NPU every MossVL attention (extend and decode, self and cross) runs through
+``AscendTorchNativeAttnBackend`` because ``forward_batch.encoder_lens`` is set. That class is
+pure torch, so this module imports without ``torch_npu`` and the same code serves the CPU route
+(:mod:`mossvl_ascend.cpu_attention`).
+
+Layout the math relies on (``ScheduleBatch.prepare_encoder_info_extend``): a request's KV slots
+are ``req_to_token[req, :encoder_len]`` for the vision encoder tokens followed by its text tokens;
+``seq_lens`` / ``extend_prefix_lens`` / ``extend_seq_lens`` count text tokens only.
+
+Catalog
+-------
+**Hook: MossVL extend in the Ascend native backend** (items 3 and 4)
+
+- *target*: ``sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend.``
+  ``AscendTorchNativeAttnBackend.run_sdpa_forward_extend`` (AROUND).
+- *why*: stock 0.5.23 (a) has no ``cross_attention_custom_mask`` parameter, so MossVL's
+  frame-causal visibility is never applied and every text token sees every frame; (b) pads the
+  cross-attention queries to the full text length, which is what made the source PR read mask
+  rows with the wrong query length once a text prefix is cached; (c) reads self-attention keys
+  over ``[encoder_len, encoder_len + extend_len)`` instead of ``[encoder_len, encoder_len +
+  seq_len)``, so with a cached text prefix (multi-turn, chunked prefill, retract) the new tokens
+  miss the prefix and the causal diagonal is misplaced.
+- *how*: the hook adds the keyword ``cross_attention_custom_mask=`` (packed uint8, 1 = visible,
+  per request ``[extend_seq_len x encoder_len]`` row-major, batch order, requests without encoder
+  tokens or new tokens contribute nothing). Batches with ``encoder_lens`` go to
+  :func:`encoder_decoder_extend`; every other batch goes to the stock method unchanged.
+  Cross-attention: queries are the request's new tokens only, keys/values its encoder slots,
+  mask slice read at a running offset advancing by ``extend_seq_len x encoder_len``, bool True =
+  attend (torch SDPA convention), same on the plain and the logit-softcap paths; rows that see
+  nothing and requests with ``encoder_len == 0`` give zeros, never NaN. Self-attention: keys over
+  ``[encoder_len, encoder_len + seq_len)``, query ``i`` sees keys ``j <= prefix_len + i``.
+  A mask whose size disagrees with the batch raises ValueError naming the request and lengths.
+- *upstream status / when to remove*: not upstream in 0.5.23 (the source PR patched the file in
+  its fork). Remove once ``run_sdpa_forward_extend`` accepts the mask and reads the right windows.
+
+**No hook: MossVL decode in the Ascend native backend** (item 5)
+
+- *target*: ``AscendTorchNativeAttnBackend.run_sdpa_forward_decode``.
+- *status*: 0.5.23 already behaves: cross-attention reads the cached encoder slots
+  ``[0, encoder_len)`` without a mask (every decode token sees all frames; decode never writes
+  encoder K/V when k/v are None, see :mod:`mossvl_ascend.ascend_backend`), self-attention reads
+  ``[encoder_len, encoder_len + seq_len)``, and ``encoder_len == 0`` yields zeros. Pinned by
+  regression tests in ``tests/test_native_attention.py``; the layer-level helper
+  :func:`encoder_decoder_attention` calls it unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend import (
+    AscendTorchNativeAttnBackend,
+)
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+NATIVE_EXTEND_TARGET = (
+    "sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend."
+    "AscendTorchNativeAttnBackend.run_sdpa_forward_extend"
+)
+
+# AscendTorchNativeAttnBackend holds no state. This one instance serves the softcap kernel of
+# the per-request functions below and is the native math of the CPU route (cpu_attention).
+ASCEND_NATIVE_MATH = AscendTorchNativeAttnBackend()
+
+
+def masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visibility: Optional[torch.Tensor],
+    *,
+    scaling: Optional[float],
+    enable_gqa: bool,
+    logit_cap: float,
+    logit_capping_method: str,
+) -> torch.Tensor:
+    """Attention of one request with an explicit visibility matrix.
+
+    query ``[num_heads, q_len, head_dim]``; key ``[num_kv_heads, kv_len, head_dim]``; value
+    ``[num_kv_heads, kv_len, v_head_dim]``; visibility bool ``[q_len, kv_len]`` with True =
+    attend, or None for all visible. Returns ``[num_heads, q_len, v_head_dim]``. Rows that see
+    no key are zero: softmax over an empty set is undefined (NaN on the softcap path and on some
+    SDPA kernels), and MOSS-VL defines such a row's cross-attention as contributing nothing.
+    """
+    num_heads, q_len = query.shape[0], query.shape[1]
+    if q_len == 0 or key.shape[1] == 0:
+        return query.new_zeros(num_heads, q_len, value.shape[-1])
+    if logit_cap > 0:
+        out = ASCEND_NATIVE_MATH.scaled_dot_product_attention_with_softcapping(
+            query.unsqueeze(0),
+            key.unsqueeze(0),
+            value.unsqueeze(0),
+            attn_mask=visibility,
+            scale=scaling,
+            enable_gqa=enable_gqa,
+            logit_cap=logit_cap,
+            logit_capping_method=logit_capping_method,
+        )
+    else:
+        out = scaled_dot_product_attention(
+            query.unsqueeze(0),
+            key.unsqueeze(0),
+            value.unsqueeze(0),
+            attn_mask=visibility,
+            scale=scaling,
+            enable_gqa=enable_gqa,
+        )
+    out = out.squeeze(0)
+    if visibility is not None:
+        sees_nothing = ~visibility.any(dim=-1)
+        out = out.masked_fill(sees_nothing[None, :, None], 0.0)
+    return out
+
+
+def cross_attention_for_request(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visibility: Optional[torch.Tensor],
+    *,
+    scaling: Optional[float],
+    enable_gqa: bool,
+    logit_cap: float,
+    logit_capping_method: str,
+) -> torch.Tensor:
+    """MOSS-VL cross-attention of one request: new text tokens attend to its encoder tokens.
+
+    Shapes as :func:`masked_attention`; visibility is the request's frame-causal mask
+    (True = attend). Kept as its own entry point so a tiled kernel that exploits the
+    prefix-over-frames structure can replace the dense computation in one place.
+    """
+    return masked_attention(
+        query,
+        key,
+        value,
+        visibility,
+        scaling=scaling,
+        enable_gqa=enable_gqa,
+        logit_cap=logit_cap,
+        logit_capping_method=logit_capping_method,
+    )
+
+
+def causal_visibility_with_prefix(
+    extend_len: int, prefix_len: int, device: torch.device
+) -> torch.Tensor:
+    """Bool ``[extend_len, prefix_len + extend_len]``: new token ``i`` sees keys ``0..prefix_len+i``."""
+    return torch.ones(
+        extend_len, prefix_len + extend_len, dtype=torch.bool, device=device
+    ).tril(diagonal=prefix_len)
+
+
+def packed_mask_slices(
+    packed_mask: Optional[torch.Tensor],
+    extend_seq_lens: list[int],
+    encoder_lens: list[int],
+) -> list[Optional[torch.Tensor]]:
+    """Per-request bool visibility ``[extend_seq_len, encoder_len]`` cut from the packed mask.
+
+    The packed mask is uint8 with 1 = visible; it holds ``extend_seq_len x encoder_len`` entries
+    per request in batch order (none for a request with either length 0). Returns None per
+    request when the batch has no mask (all frames visible).
+    """
+    if packed_mask is None:
+        return [None] * len(extend_seq_lens)
+    slices: list[Optional[torch.Tensor]] = []
+    offset = 0
+    for req_idx, (extend_len, encoder_len) in enumerate(zip(extend_seq_lens, encoder_lens)):
+        size = extend_len * encoder_len
+        if offset + size > packed_mask.numel():
+            raise ValueError(
+                f"cross_attention_custom_mask too short at request {req_idx}: needs "
+                f"extend_seq_len {extend_len} x encoder_len {encoder_len} = {size} entries "
+                f"at offset {offset}, mask has {packed_mask.numel()} entries"
+            )
+        slices.append(packed_mask[offset : offset + size].view(extend_len, encoder_len).bool())
+        offset += size
+    if offset != packed_mask.numel():
+        raise ValueError(
+            f"cross_attention_custom_mask has {packed_mask.numel()} entries but the batch's "
+            f"extend_seq_len x encoder_len products sum to {offset} "
+            f"(extend_seq_lens {extend_seq_lens}, encoder_lens {encoder_lens})"
+        )
+    return slices
+
+
+def _gather_kv(k_cache, v_cache, slots, full_to_swa_mapping, dtype):
+    """K/V ``[num_kv_heads, len(slots), dim]`` for the given KV-pool slots, in the query dtype."""
+    if full_to_swa_mapping is not None:
+        slots = full_to_swa_mapping[slots]
+    key = k_cache[slots].movedim(0, 1).to(dtype)
+    value = v_cache[slots].movedim(0, 1).to(dtype)
+    return key, value
+
+
+def encoder_decoder_extend(
+    query: torch.Tensor,
+    output: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    encoder_lens: torch.Tensor,
+    *,
+    is_cross_attention: bool,
+    cross_attention_custom_mask: Optional[torch.Tensor] = None,
+    scaling: Optional[float] = None,
+    enable_gqa: bool = False,
+    causal: bool = True,
+    full_to_swa_mapping: Optional[torch.Tensor] = None,
+    logit_cap: float = 0.0,
+    logit_capping_method: str = "tanh",
+) -> torch.Tensor:
+    """Extend attention for a batch whose requests carry encoder tokens (MOSS-VL).
+
+    query/output ``[num_new_tokens, num_heads, head_dim]`` packed in batch order; k/v_cache
+    ``[pool_slots, num_kv_heads, head_dim]``. Fills and returns ``output``.
+    """
+    extend_lens = extend_seq_lens.tolist()
+    prefix_lens = extend_prefix_lens.tolist()
+    text_lens = seq_lens.tolist()
+    enc_lens = encoder_lens.tolist()
+    visibilities = (
+        packed_mask_slices(cross_attention_custom_mask, extend_lens, enc_lens)
+        if is_cross_attention
+        else None
+    )
+
+    heads_first_query = query.movedim(0, 1)
+    start_q = 0
+    for req_idx, extend_len in enumerate(extend_lens):
+        end_q = start_q + extend_len
+        req_query = heads_first_query[:, start_q:end_q]
+        req_slots = req_to_token[req_pool_indices[req_idx]]
+        encoder_len = enc_lens[req_idx]
+        if is_cross_attention:
+            key, value = _gather_kv(
+                k_cache, v_cache, req_slots[:encoder_len], full_to_swa_mapping, query.dtype
+            )
+            req_out = cross_attention_for_request(
+                req_query,
+                key,
+                value,
+                visibilities[req_idx],
+                scaling=scaling,
+                enable_gqa=enable_gqa,
+                logit_cap=logit_cap,
+                logit_capping_method=logit_capping_method,
+            )
+        else:
+            prefix_len = prefix_lens[req_idx]
+            if prefix_len + extend_len != text_lens[req_idx]:
+                raise ValueError(
+                    f"request {req_idx}: extend_prefix_len {prefix_len} + extend_seq_len "
+                    f"{extend_len} != seq_len {text_lens[req_idx]}"
+                )
+            key, value = _gather_kv(
+                k_cache,
+                v_cache,
+                req_slots[encoder_len : encoder_len + text_lens[req_idx]],
+                full_to_swa_mapping,
+                query.dtype,
+            )
+            visibility = (
+                causal_visibility_with_prefix(extend_len, prefix_len, query.device)
+                if causal
+                else None
+            )
+            req_out = masked_attention(
+                req_query,
+                key,
+                value,
+                visibility,
+                scaling=scaling,
+                enable_gqa=enable_gqa,
+                logit_cap=logit_cap,
+                logit_capping_method=logit_capping_method,
+            )
+        output[start_q:end_q] = req_out.movedim(0, 1)
+        start_q = end_q
+    return output
+
+
+def _route_encoder_batches_extend(
+    original,
+    backend,
+    query,
+    output,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_prefix_lens,
+    extend_seq_lens,
+    encoder_lens=None,
+    is_cross_attention=False,
+    scaling=None,
+    enable_gqa=False,
+    causal=False,
+    sliding_window_size=-1,
+    full_to_swa_mapping=None,
+    logit_cap=0.0,
+    logit_capping_method="tanh",
+    cross_attention_custom_mask=None,
+):
+    """AROUND hook: encoder-decoder batches get :func:`encoder_decoder_extend`, others stock."""
+    if encoder_lens is None:
+        if cross_attention_custom_mask is not None:
+            raise ValueError("cross_attention_custom_mask given for a batch without encoder_lens")
+        return original(
+            backend,
+            query,
+            output,
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            extend_prefix_lens,
+            extend_seq_lens,
+            encoder_lens,
+            is_cross_attention=is_cross_attention,
+            scaling=scaling,
+            enable_gqa=enable_gqa,
+            causal=causal,
+            sliding_window_size=sliding_window_size,
+            full_to_swa_mapping=full_to_swa_mapping,
+            logit_cap=logit_cap,
+            logit_capping_method=logit_capping_method,
+        )
+    return encoder_decoder_extend(
+        query,
+        output,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_prefix_lens,
+        extend_seq_lens,
+        encoder_lens,
+        is_cross_attention=is_cross_attention,
+        cross_attention_custom_mask=cross_attention_custom_mask,
+        scaling=scaling,
+        enable_gqa=enable_gqa,
+        causal=causal,
+        full_to_swa_mapping=full_to_swa_mapping,
+        logit_cap=logit_cap,
+        logit_capping_method=logit_capping_method,
+    )
+
+
+def encoder_decoder_attention(
+    native: AscendTorchNativeAttnBackend,
+    token_to_kv_pool,
+    req_to_token_pool,
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    layer,
+    forward_batch,
+    save_kv_cache: bool,
+    *,
+    swa_out_cache_loc: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One attention layer of an encoder-decoder (MOSS-VL) batch, extend or decode.
+
+    Shared by the Ascend backend hook and the CPU route so both run the same code: write the
+    new K/V (encoder K/V for a cross-attention layer; nothing when k/v are None, i.e. the
+    encoder is already cached or the batch has no vision input), then run the native per-request
+    math with the batch's cross-attention mask. q ``[num_tokens, num_heads * head_dim]``;
+    returns ``[num_tokens, num_heads * v_head_dim]``.
+    """
+    if save_kv_cache and k is not None and v is not None:
+        if layer.is_cross_attention:
+            write_loc = KVWriteLoc(forward_batch.encoder_out_cache_loc, None)
+        else:
+            write_loc = KVWriteLoc(forward_batch.out_cache_loc, swa_out_cache_loc)
+        token_to_kv_pool.set_kv_buffer(layer, write_loc, k, v)
+
+    q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    output = q_.new_empty(q_.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+    k_cache = token_to_kv_pool.get_key_buffer(layer.layer_id).view(
+        -1, layer.tp_k_head_num, layer.qk_head_dim
+    )
+    v_cache = token_to_kv_pool.get_value_buffer(layer.layer_id).view(
+        -1, layer.tp_v_head_num, layer.v_head_dim
+    )
+    common = dict(
+        encoder_lens=forward_batch.encoder_lens,
+        is_cross_attention=layer.is_cross_attention,
+        scaling=layer.scaling,
+        enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+        logit_cap=layer.logit_cap,
+        logit_capping_method=layer.logit_capping_method,
+    )
+    if forward_batch.forward_mode.is_decode():
+        native.run_sdpa_forward_decode(
+            q_,
+            output,
+            k_cache,
+            v_cache,
+            req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            causal=False,
+            **common,
+        )
+    else:
+        causal = not (
+            layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY
+        )
+        native.run_sdpa_forward_extend(
+            q_,
+            output,
+            k_cache,
+            v_cache,
+            req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            forward_batch.extend_prefix_lens,
+            forward_batch.extend_seq_lens,
+            causal=causal,
+            cross_attention_custom_mask=forward_batch.cross_attention_custom_mask,
+            **common,
+        )
+    return output.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def register() -> None:
+    HookRegistry.register(NATIVE_EXTEND_TARGET, _route_encoder_batches_extend, HookType.AROUND)

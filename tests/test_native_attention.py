@@ -1,0 +1,457 @@
+"""MOSS-VL math in the (patched) AscendTorchNativeAttnBackend against a dense fp32 reference.
+
+Real: ``AscendTorchNativeAttnBackend`` and its hooked ``run_sdpa_forward_extend`` (applied through
+sglang's ``HookRegistry`` exactly as ``load_plugins`` does), stock ``run_sdpa_forward_decode``,
+stock ``MossVLForConditionalGeneration.prepare_forward_batch`` (the mask producer).
+Oracle: :func:`reference_attention`, explicit scores, explicit -inf mask and per-row softmax,
+written independently of the code under test. The test builds each request's visibility from
+its frame spans and per-token visible-frame counts; the packed uint8 mask handed to the backend
+is derived from that, so a polarity flip, a wrong row length (prefix counted in), a wrong
+running offset or wrong KV slots all change the output.
+
+This module also holds the batch builder and hook helper the other attention tests import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import pkgutil
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend import (
+    AscendTorchNativeAttnBackend,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+from mossvl_ascend import native_attention
+
+HEAD_DIM = 8
+POOL_SLOTS = 400
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+@contextlib.contextmanager
+def hooks_applied(*register_fns):
+    """Register and apply hooks through sglang's HookRegistry; restore the originals on exit."""
+    saved_hooks = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
+    saved_patched = set(HookRegistry._patched)
+    HookRegistry.reset()
+    for register in register_fns:
+        register()
+    originals = []
+    for target in HookRegistry._hooks:
+        owner_path, attr = target.rsplit(".", 1)
+        owner = pkgutil.resolve_name(owner_path)
+        originals.append((owner, attr, owner.__dict__[attr]))
+    HookRegistry.apply_hooks()
+    assert HookRegistry._patched == set(HookRegistry._hooks), "a hook failed to apply"
+    try:
+        yield
+    finally:
+        for owner, attr, original in originals:
+            setattr(owner, attr, original)
+        HookRegistry.reset()
+        HookRegistry._hooks.update(saved_hooks)
+        HookRegistry._patched.update(saved_patched)
+
+
+@pytest.fixture(scope="module")
+def patched_native():
+    with hooks_applied(native_attention.register):
+        yield AscendTorchNativeAttnBackend()
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def reference_attention(q, k, v, visible, scale, logit_cap=0.0):
+    """Dense fp32 attention. q [Lq, H, D], k [S, Hkv, D], v [S, Hkv, Dv], visible bool [Lq, S].
+
+    Query head h reads kv head h // (H // Hkv). A row with no visible key outputs zeros.
+    """
+    q, k, v = q.float(), k.float(), v.float()
+    num_heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape[0], num_heads, v.shape[-1])
+    for h in range(num_heads):
+        scores = (q[:, h] @ k[:, h // group].T) * scale
+        if logit_cap > 0:
+            scores = logit_cap * torch.tanh(scores / logit_cap)
+        for row in range(q.shape[0]):
+            cols = visible[row].nonzero().flatten()
+            if cols.numel() == 0:
+                continue
+            weights = torch.softmax(scores[row, cols], dim=0)
+            out[row, h] = weights @ v[cols, h // group]
+    return out
+
+
+def frame_visibility(spans, visible_frame_counts):
+    """Bool [rows, sum(spans)]: a row that sees n frames sees the encoder prefix of n spans."""
+    encoder_len = sum(spans)
+    boundaries = [sum(spans[:count]) for count in visible_frame_counts]
+    return torch.arange(encoder_len)[None, :] < torch.tensor(boundaries, dtype=torch.long)[:, None]
+
+
+def causal_with_prefix(extend_len, prefix_len):
+    """Bool [extend_len, prefix_len + extend_len]: new token i sees text tokens 0..prefix_len+i."""
+    rows = torch.arange(prefix_len, prefix_len + extend_len)[:, None]
+    return torch.arange(prefix_len + extend_len)[None, :] <= rows
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@dataclass
+class Request:
+    """One MOSS-VL request: frame spans of its encoder tokens, text lengths, per-token frame counts."""
+
+    spans: list[int]
+    prefix_len: int
+    extend_len: int
+    visible_frame_counts: list[int] = field(default_factory=list)
+
+    @property
+    def encoder_len(self) -> int:
+        return sum(self.spans)
+
+    @property
+    def text_len(self) -> int:
+        return self.prefix_len + self.extend_len
+
+    def new_token_visibility(self):
+        counts = self.visible_frame_counts[self.prefix_len : self.text_len]
+        return frame_visibility(self.spans, counts)
+
+
+def example_requests():
+    """Encoder 0 / 2 frames / 3 frames / 1 frame; cached text prefixes 0 and > 0; rows seeing 0 frames."""
+    return [
+        Request(spans=[5, 5], prefix_len=0, extend_len=6, visible_frame_counts=[0, 1, 1, 2, 2, 2]),
+        Request(spans=[], prefix_len=2, extend_len=3),
+        Request(
+            spans=[4, 4, 4],
+            prefix_len=4,
+            extend_len=5,
+            visible_frame_counts=[0, 0, 1, 1, 1, 2, 2, 3, 3],
+        ),
+        Request(spans=[7], prefix_len=3, extend_len=2, visible_frame_counts=[0, 0, 0, 0, 1]),
+    ]
+
+
+@dataclass
+class Batch:
+    requests: list[Request]
+    num_heads: int
+    num_kv_heads: int
+    req_pool_indices: torch.Tensor
+    req_to_token: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    encoder_k: list[torch.Tensor]  # per request [encoder_len, Hkv, D]
+    encoder_v: list[torch.Tensor]
+    text_k: list[torch.Tensor]  # per request [text_len, Hkv, D]
+    text_v: list[torch.Tensor]
+    query: torch.Tensor  # [sum(extend_len), H, D]
+    slots: list[torch.Tensor]  # per request pool slots, encoder first then text
+
+    @property
+    def encoder_lens(self):
+        return torch.tensor([r.encoder_len for r in self.requests])
+
+    @property
+    def seq_lens(self):
+        return torch.tensor([r.text_len for r in self.requests])
+
+    @property
+    def extend_prefix_lens(self):
+        return torch.tensor([r.prefix_len for r in self.requests])
+
+    @property
+    def extend_seq_lens(self):
+        return torch.tensor([r.extend_len for r in self.requests])
+
+    def query_rows(self, req_idx):
+        start = sum(r.extend_len for r in self.requests[:req_idx])
+        return slice(start, start + self.requests[req_idx].extend_len)
+
+    def packed_mask(self):
+        """uint8, 1 = visible, per request [extend_len x encoder_len] row-major, batch order."""
+        parts = [
+            r.new_token_visibility().to(torch.uint8).flatten()
+            for r in self.requests
+            if r.encoder_len and r.extend_len
+        ]
+        return torch.cat(parts)
+
+
+def build_batch(requests, num_heads=4, num_kv_heads=2, seed=0) -> Batch:
+    """Random K/V at shuffled pool slots (the rest of the pool is noise), random queries."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(POOL_SLOTS, num_kv_heads, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(POOL_SLOTS, num_kv_heads, HEAD_DIM, generator=gen)
+    free_slots = (torch.randperm(POOL_SLOTS - 1, generator=gen) + 1).tolist()
+    req_pool_indices = torch.randperm(len(requests) + 2, generator=gen)[: len(requests)]
+    req_to_token = torch.zeros(len(requests) + 2, 64, dtype=torch.int32)
+    slots, encoder_k, encoder_v, text_k, text_v = [], [], [], [], []
+    for req, pool_idx in zip(requests, req_pool_indices.tolist()):
+        n = req.encoder_len + req.text_len
+        req_slots = torch.tensor([free_slots.pop() for _ in range(n)])
+        req_to_token[pool_idx, :n] = req_slots.int()
+        slots.append(req_slots)
+        encoder_k.append(k_cache[req_slots[: req.encoder_len]].clone())
+        encoder_v.append(v_cache[req_slots[: req.encoder_len]].clone())
+        text_k.append(k_cache[req_slots[req.encoder_len :]].clone())
+        text_v.append(v_cache[req_slots[req.encoder_len :]].clone())
+    total_new = sum(r.extend_len for r in requests)
+    query = torch.randn(total_new, num_heads, HEAD_DIM, generator=gen)
+    return Batch(
+        requests, num_heads, num_kv_heads, req_pool_indices, req_to_token, k_cache, v_cache,
+        encoder_k, encoder_v, text_k, text_v, query, slots,
+    )
+
+
+def reference_cross_extend(batch, scale, logit_cap=0.0):
+    out = torch.zeros_like(batch.query)
+    for i, req in enumerate(batch.requests):
+        if req.encoder_len == 0:
+            continue  # no vision input: cross-attention contributes zeros
+        out[batch.query_rows(i)] = reference_attention(
+            batch.query[batch.query_rows(i)], batch.encoder_k[i], batch.encoder_v[i],
+            req.new_token_visibility(), scale, logit_cap,
+        )
+    return out
+
+
+def reference_self_extend(batch, scale, logit_cap=0.0):
+    out = torch.zeros_like(batch.query)
+    for i, req in enumerate(batch.requests):
+        out[batch.query_rows(i)] = reference_attention(
+            batch.query[batch.query_rows(i)], batch.text_k[i], batch.text_v[i],
+            causal_with_prefix(req.extend_len, req.prefix_len), scale, logit_cap,
+        )
+    return out
+
+
+def run_native_extend(native, batch, *, cross, mask, scale, logit_cap=0.0):
+    output = torch.full_like(batch.query, float("nan"))
+    return native.run_sdpa_forward_extend(
+        batch.query, output, batch.k_cache, batch.v_cache, batch.req_to_token,
+        batch.req_pool_indices, batch.seq_lens, batch.extend_prefix_lens, batch.extend_seq_lens,
+        batch.encoder_lens, is_cross_attention=cross, scaling=scale,
+        enable_gqa=batch.num_heads != batch.num_kv_heads, causal=not cross,
+        logit_cap=logit_cap, cross_attention_custom_mask=mask,
+    )
+
+
+SCALE = HEAD_DIM**-0.5
+BATCH_SHAPES = {
+    "1req": [0],
+    "2req-enc0": [1, 2],
+    "3req": [2, 1, 0],
+    "4req": [0, 1, 2, 3],
+}
+HEADS = {"gqa": (4, 2), "mha": (2, 2)}
+
+
+# ----------------------------------------------------------------------------- extend
+
+
+@pytest.mark.parametrize("logit_cap", [0.0, 1.5], ids=["plain", "softcap"])
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("shape", BATCH_SHAPES.values(), ids=BATCH_SHAPES.keys())
+def test_cross_extend_matches_reference(patched_native, shape, heads, logit_cap):
+    requests = [example_requests()[i] for i in shape]
+    batch = build_batch(requests, *heads)
+    out = run_native_extend(
+        patched_native, batch, cross=True, mask=batch.packed_mask(), scale=SCALE, logit_cap=logit_cap
+    )
+    expected = reference_cross_extend(batch, SCALE, logit_cap)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cross_extend_without_mask_sees_all_frames(patched_native):
+    batch = build_batch(example_requests())
+    out = run_native_extend(patched_native, batch, cross=True, mask=None, scale=SCALE)
+    for i, req in enumerate(batch.requests):
+        all_visible = torch.ones(req.extend_len, req.encoder_len, dtype=torch.bool)
+        expected = reference_attention(
+            batch.query[batch.query_rows(i)], batch.encoder_k[i], batch.encoder_v[i], all_visible, SCALE
+        )
+        torch.testing.assert_close(out[batch.query_rows(i)], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("logit_cap", [0.0, 1.5], ids=["plain", "softcap"])
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_self_extend_reads_cached_prefix_with_shifted_diagonal(patched_native, heads, logit_cap):
+    batch = build_batch(example_requests(), *heads)
+    out = run_native_extend(
+        patched_native, batch, cross=False, mask=batch.packed_mask(), scale=SCALE, logit_cap=logit_cap
+    )
+    torch.testing.assert_close(out, reference_self_extend(batch, SCALE, logit_cap), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("logit_cap", [0.0, 1.5], ids=["plain", "softcap"])
+def test_rows_that_see_no_frame_are_zero_not_nan(patched_native, logit_cap):
+    batch = build_batch(example_requests())
+    out = run_native_extend(
+        patched_native, batch, cross=True, mask=batch.packed_mask(), scale=SCALE, logit_cap=logit_cap
+    )
+    blind_rows = 0
+    for i, req in enumerate(batch.requests):
+        rows = out[batch.query_rows(i)]
+        sees_nothing = ~req.new_token_visibility().any(dim=1) if req.encoder_len else torch.ones(
+            req.extend_len, dtype=torch.bool
+        )
+        blind_rows += int(sees_nothing.sum())
+        assert torch.equal(rows[sees_nothing], torch.zeros_like(rows[sees_nothing]))
+        assert rows[~sees_nothing].abs().sum(dim=(1, 2)).gt(0).all()
+    assert blind_rows >= 5  # blind new-token rows in two requests plus the encoder-less request
+
+
+def test_cross_output_does_not_depend_on_cached_prefix(patched_native):
+    """The same text tokens give the same cross-attention rows whether the prefix is cached or not."""
+    counts = [0, 1, 1, 2, 2, 3, 3, 3]
+    full = Request(spans=[3, 6, 2], prefix_len=0, extend_len=8, visible_frame_counts=counts)
+    batch = build_batch([full])
+    out_full = run_native_extend(patched_native, batch, cross=True, mask=batch.packed_mask(), scale=SCALE)
+    for prefix_len in (1, 4, 7):
+        chunk = Request(spans=full.spans, prefix_len=prefix_len, extend_len=8 - prefix_len, visible_frame_counts=counts)
+        chunk_batch = build_batch([chunk])
+        chunk_batch.query = batch.query[prefix_len:].clone()
+        chunk_batch.k_cache[chunk_batch.slots[0][: full.encoder_len]] = batch.encoder_k[0]
+        chunk_batch.v_cache[chunk_batch.slots[0][: full.encoder_len]] = batch.encoder_v[0]
+        out_chunk = run_native_extend(
+            patched_native, chunk_batch, cross=True, mask=chunk_batch.packed_mask(), scale=SCALE
+        )
+        torch.testing.assert_close(out_chunk, out_full[prefix_len:], atol=1e-6, rtol=1e-6)
+
+
+def test_mask_too_short_names_request_and_lengths(patched_native):
+    batch = build_batch([example_requests()[i] for i in (1, 0, 2)])
+    mask = batch.packed_mask()[:-1]
+    with pytest.raises(ValueError, match=r"request 2.*extend_seq_len 5 x encoder_len 12"):
+        run_native_extend(patched_native, batch, cross=True, mask=mask, scale=SCALE)
+
+
+def test_mask_too_long_is_rejected(patched_native):
+    batch = build_batch([example_requests()[0]])
+    mask = torch.cat([batch.packed_mask(), torch.ones(3, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match=r"63 entries.*sum to 60"):
+        run_native_extend(patched_native, batch, cross=True, mask=mask, scale=SCALE)
+
+
+def test_batch_without_encoder_lens_runs_stock(patched_native):
+    """Text-only models keep the stock path: prefix-free causal attention over [0, seq_len)."""
+    req = Request(spans=[], prefix_len=0, extend_len=5)
+    batch = build_batch([req])
+    out = torch.empty_like(batch.query)
+    patched_native.run_sdpa_forward_extend(
+        batch.query, out, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
+        batch.seq_lens, batch.extend_prefix_lens, batch.extend_seq_lens, None,
+        scaling=SCALE, enable_gqa=True, causal=True,
+    )
+    expected = reference_attention(batch.query, batch.text_k[0], batch.text_v[0], causal_with_prefix(5, 0), SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="without encoder_lens"):
+        patched_native.run_sdpa_forward_extend(
+            batch.query, out, batch.k_cache, batch.v_cache, batch.req_to_token,
+            batch.req_pool_indices, batch.seq_lens, batch.extend_prefix_lens,
+            batch.extend_seq_lens, None, cross_attention_custom_mask=torch.ones(5, dtype=torch.uint8),
+        )
+
+
+# ----------------------------------------------------------------------------- decode (stock)
+
+
+def decode_batch(heads=(4, 2), seed=1):
+    """Requests after prefill: one new token each, its KV already written (text_len includes it)."""
+    requests = [
+        Request(spans=[5, 5], prefix_len=6, extend_len=1),
+        Request(spans=[], prefix_len=4, extend_len=1),
+        Request(spans=[4, 4, 4], prefix_len=8, extend_len=1),
+    ]
+    return build_batch(requests, *heads, seed=seed)
+
+
+@pytest.mark.parametrize("logit_cap", [0.0, 1.5], ids=["plain", "softcap"])
+@pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
+def test_stock_decode_already_reads_the_right_windows(cross, logit_cap):
+    """Item 5 regression: 0.5.23's native decode needs no hook (cross sees all frames)."""
+    batch = decode_batch()
+    out = AscendTorchNativeAttnBackend().run_sdpa_forward_decode(
+        batch.query, torch.empty_like(batch.query), batch.k_cache, batch.v_cache,
+        batch.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.encoder_lens,
+        is_cross_attention=cross, scaling=SCALE, enable_gqa=True, causal=False, logit_cap=logit_cap,
+    )
+    for i, req in enumerate(batch.requests):
+        keys, values = (batch.encoder_k[i], batch.encoder_v[i]) if cross else (batch.text_k[i], batch.text_v[i])
+        expected = reference_attention(
+            batch.query[i : i + 1], keys, values, torch.ones(1, keys.shape[0], dtype=torch.bool), SCALE, logit_cap
+        )
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+# ----------------------------------------------------------------------------- item 2: mask producer
+
+
+def _moss_vl_extend_batch(requests, grids, merge):
+    """Duck-typed ForwardBatch (stand-in) with the fields prepare_forward_batch reads."""
+    mm_inputs = [
+        SimpleNamespace(
+            visible_frame_counts=torch.tensor(req.visible_frame_counts),
+            mm_items=[SimpleNamespace(grid_thw=grid)],
+        )
+        if grid is not None
+        else None
+        for req, grid in zip(requests, grids)
+    ]
+    return SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=len(requests),
+        encoder_lens=torch.tensor([r.encoder_len for r in requests]),
+        encoder_lens_cpu=[r.encoder_len for r in requests],
+        extend_seq_lens_cpu=[r.extend_len for r in requests],
+        extend_prefix_lens_cpu=[r.prefix_len for r in requests],
+        seq_lens=torch.tensor([r.text_len for r in requests]),
+        mm_inputs=mm_inputs,
+    )
+
+
+def test_stock_mask_builder_feeds_the_native_backend(patched_native):
+    """Item 2 regression: 0.5.23 builds the packed mask with no backend check; end to end to the reference.
+
+    Frames of grid (t, h, w) with spatial merge m have h*w/m^2 vision tokens plus one separator.
+    """
+    from sglang.srt.models.moss_vl import MossVLForConditionalGeneration
+
+    merge = 2
+    grids = [[[2, 4, 4]], None, [[1, 4, 4], [2, 2, 4]]]
+    requests = [
+        Request(spans=[5, 5], prefix_len=0, extend_len=6, visible_frame_counts=[0, 1, 1, 2, 2, 2]),
+        Request(spans=[], prefix_len=2, extend_len=3),
+        Request(spans=[5, 3, 3], prefix_len=4, extend_len=5, visible_frame_counts=[0, 0, 1, 1, 1, 2, 2, 3, 3]),
+    ]
+    model = object.__new__(MossVLForConditionalGeneration)
+    model.spatial_merge_size = merge
+    forward_batch = _moss_vl_extend_batch(requests, grids, merge)
+    model.prepare_forward_batch(forward_batch)
+    mask = forward_batch.cross_attention_custom_mask
+    assert mask is not None and mask.dtype == torch.uint8
+
+    batch = build_batch(requests)
+    out = run_native_extend(patched_native, batch, cross=True, mask=mask, scale=SCALE)
+    torch.testing.assert_close(out, reference_cross_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
+
+    forward_batch.forward_mode = ForwardMode.DECODE
+    model.prepare_forward_batch(forward_batch)
+    assert forward_batch.cross_attention_custom_mask is None
