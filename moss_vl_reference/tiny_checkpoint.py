@@ -1,0 +1,235 @@
+"""Build (or reuse) a random-weight MOSS-VL checkpoint that loads with trust_remote_code.
+
+    python -m moss_vl_reference.tiny_checkpoint [--preset tiny|bench] [--out DIR] [--seed N]
+
+Prints the checkpoint directory as the last line of stdout. The directory holds config.json
+(with auto_map), model.safetensors (float32, seeded: same seed -> byte-identical weights), a
+byte-level BPE tokenizer trained here on a small built-in corpus with the MOSS-VL special tokens,
+the processor configs and the three remote-code files. A directory built from the same preset,
+seed and source files is reused.
+"""
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .configuration_moss_vl import MossVLConfig
+from .modeling_moss_vl import MossVLForConditionalGeneration
+from .processing_moss_vl import CHAT_TEMPLATE, MossVLImageProcessor, MossVLProcessor
+
+logger = logging.getLogger(__name__)
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent
+REMOTE_CODE_FILES = ("configuration_moss_vl.py", "processing_moss_vl.py", "modeling_moss_vl.py")
+STAMP = "build_stamp.json"
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|image|>",
+    "<|video|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|time_start|>",
+    "<|time_end|>",
+    "<|silence|>",
+    "<|round_start|>",
+    "<|round_end|>",
+    "<|response|>",
+    "<|assistant|>",
+    "<go>",
+)
+
+# Small English corpus for the BPE merges: chat-like sentences about images, videos and time.
+CORPUS = """
+You are a helpful assistant. Describe the image in detail. What is shown in this picture?
+The picture shows a red square on a blue background, with a small green circle in the corner.
+Describe the video. What happens between the first and the last frame? Count the objects.
+At 0.0 seconds the screen is dark; at 1.0 seconds a bright shape appears; at 2.5 seconds it moves left.
+The cat sits on the mat. The dog runs across the yard. A person walks into the room and waves.
+Please answer briefly. Answer with one word. Is there a car in the image? Yes. No. Maybe.
+Which color is the largest region? Red, green, blue, yellow, white, black, orange, purple, gray.
+Compare the two images and list the differences. The left image is brighter than the right one.
+Summarize the conversation so far, then continue the story with the next scene in the video.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 20 30 45 60 90 100 seconds minutes frames pixels.
+Question: where is the ball? Answer: the ball is under the table, next to the chair.
+""" * 4
+
+PRESETS = {
+    "tiny": {
+        "text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, cross_attention_layers=[1, 3], max_position_embeddings=32768, mrope_section=[6, 5, 5]),
+        "vision": dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=4, num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+        "bpe_vocab": 768,
+    },
+    "bench": {
+        "text": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=10, num_attention_heads=16, num_key_value_heads=8, head_dim=64, cross_attention_layers=[2, 6], max_position_embeddings=65536, mrope_section=[12, 10, 10]),
+        "vision": dict(depth=6, hidden_size=384, intermediate_size=1024, num_heads=6, num_position_embeddings=1024, deepstack_visual_indexes=[1, 3]),
+        "bpe_vocab": 2048,
+    },
+}
+
+
+def build_tokenizer(vocab_size: int):
+    """Byte-level BPE trained on CORPUS; special tokens take ids 0..len(SPECIAL_TOKENS)-1."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
+
+
+def build_config(preset: dict, tokenizer) -> MossVLConfig:
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    text = dict(preset["text"])
+    mrope_section = text.pop("mrope_section")
+    vocab_size = math.ceil(len(tokenizer) / 64) * 64
+    config = MossVLConfig(
+        text_config=dict(
+            text,
+            vocab_size=vocab_size,
+            rope_theta=5000000.0,
+            rope_scaling={"rope_type": "default", "mrope_section": mrope_section, "mrope_interleaved": True},
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(preset["vision"], out_hidden_size=text["hidden_size"], patch_size=16, spatial_merge_size=2, temporal_patch_size=1),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        architectures=["MossVLForConditionalGeneration"],
+        dtype="float32",
+        auto_map={
+            "AutoConfig": "configuration_moss_vl.MossVLConfig",
+            "AutoModel": "modeling_moss_vl.MossVLForConditionalGeneration",
+            "AutoModelForCausalLM": "modeling_moss_vl.MossVLForConditionalGeneration",
+            "AutoProcessor": "processing_moss_vl.MossVLProcessor",
+            "AutoImageProcessor": "processing_moss_vl.MossVLImageProcessor",
+        },
+    )
+    assert config.vision_config.depth - 1 not in config.vision_config.deepstack_visual_indexes
+    return config
+
+
+def random_weights(config: MossVLConfig, seed: int) -> dict:
+    """Seeded float32 tensors for every parameter, scaled so a random model still has peaked
+    logits (greedy ties would make engine-vs-reference comparisons meaningless)."""
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in MossVLForConditionalGeneration(config).named_parameters()}
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("_gate"):
+            tensor = torch.rand(shape, generator=generator) + 0.5
+        elif "norm" in name and name.endswith("weight"):
+            tensor = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        elif name.endswith("bias"):
+            tensor = 0.02 * torch.randn(shape, generator=generator)
+        elif name.endswith("embed_tokens.weight") or name.endswith("separator_token"):
+            tensor = torch.randn(shape, generator=generator)
+        elif name.endswith("pos_embed.weight"):
+            tensor = 0.5 * torch.randn(shape, generator=generator)
+        elif name == "lm_head.weight":
+            tensor = 3.0 * torch.randn(shape, generator=generator) / math.sqrt(shape[1])
+        else:
+            fan_in = math.prod(shape[1:])
+            tensor = torch.randn(shape, generator=generator) / math.sqrt(fan_in)
+        weights[name] = tensor.float().contiguous()
+    return weights
+
+
+def source_fingerprint(preset_name: str, seed: int) -> str:
+    digest = hashlib.sha256(f"{preset_name}:{seed}".encode())
+    for name in REMOTE_CODE_FILES + ("tiny_checkpoint.py",):
+        digest.update((PACKAGE_DIR / name).read_bytes())
+    return digest.hexdigest()
+
+
+def write_checkpoint(directory: Path, preset_name: str, seed: int) -> None:
+    preset = PRESETS[preset_name]
+    tokenizer = build_tokenizer(preset["bpe_vocab"])
+    config = build_config(preset, tokenizer)
+    config.save_pretrained(directory)
+    save_file(random_weights(config, seed), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    image_processor = MossVLImageProcessor()
+    processor = MossVLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    MossVLProcessor.register_for_auto_class("AutoProcessor")
+    MossVLImageProcessor.register_for_auto_class("AutoImageProcessor")
+    processor.save_pretrained(directory)
+    for name in REMOTE_CODE_FILES:
+        shutil.copyfile(PACKAGE_DIR / name, directory / name)
+    generation = {"eos_token_id": [config.text_config.eos_token_id, config.text_config.bos_token_id], "pad_token_id": config.text_config.pad_token_id, "do_sample": False}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def build_or_reuse(preset_name: str = "tiny", out: Path | None = None, seed: int = 0) -> Path:
+    """The checkpoint directory for (preset, seed), building it unless an identical build exists."""
+    out = Path(out) if out is not None else REPO_ROOT / "build" / f"{preset_name}-moss-vl"
+    fingerprint = source_fingerprint(preset_name, seed)
+    stamp = out / STAMP
+    if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == fingerprint:
+        logger.info("reusing %s", out)
+        return out
+    started = time.monotonic()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        write_checkpoint(staging, preset_name, seed)
+        (staging / STAMP).write_text(json.dumps({"fingerprint": fingerprint, "preset": preset_name, "seed": seed}) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    logger.info("built %s in %.1fs", out, time.monotonic() - started)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--out", type=Path, default=None, help="default: build/<preset>-moss-vl under the repo root")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    print(build_or_reuse(args.preset, args.out, args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
