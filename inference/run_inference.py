@@ -240,23 +240,23 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, dict]:
     device = choose_device(args.device)
     attn_implementation, why = choose_attention(args.attention_backend, device)
     dtype = choose_dtype(args.dtype, device)
-    device_map = "cpu" if device == "cpu" else device_utils.get_device_str(0)
+    target = "cpu" if device == "cpu" else device_utils.get_device_str(0)
     logger.info("attention implementation: %s (%s)", attn_implementation, why)
+    # Loaded on the host and moved with .to(): a device_map would need `accelerate`, which one device does not.
     model_kwargs = {
         "trust_remote_code": True,
-        "device_map": device_map,
         "dtype": DTYPES[dtype],
         "attn_implementation": attn_implementation,
     }
     if args.cross_attention_implementation is not None:
         model_kwargs["cross_attention_implementation"] = args.cross_attention_implementation
-    logger.info("loading %s on %s as %s", args.checkpoint, device_map, dtype)
+    logger.info("loading %s on %s as %s", args.checkpoint, target, dtype)
     processor = AutoProcessor.from_pretrained(args.checkpoint, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, **model_kwargs)
-    model.eval()
+    model = model.to(target).eval()
     metadata = {
         "checkpoint": str(args.checkpoint),
-        "device": device_map,
+        "device": target,
         "device_description": device_utils.describe(),
         "dtype": dtype,
         "attention_implementation": attn_implementation,
