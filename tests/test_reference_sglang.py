@@ -1,0 +1,208 @@
+"""The reference MOSS-VL checkpoint against stock sglang 0.5.23's MossVL code (the oracle).
+
+Stock sglang's model is built in-process on CPU (world-size-1 gloo process group, as sglang's own
+layer tests do) from the tiny checkpoint; its loader, vision tower, separator insertion, XRoPE
+and processor-side position/visibility code run unchanged on our checkpoint and processor output.
+"""
+
+import logging
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor
+
+from moss_vl_reference.modeling_moss_vl import compute_xrope_positions
+from moss_vl_reference.tiny_checkpoint import build_or_reuse
+
+ASSETS = Path(__file__).parent / "assets"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return build_or_reuse("tiny")
+
+
+@pytest.fixture(scope="module")
+def processor(checkpoint):
+    return AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    return AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def sglang_model(checkpoint):
+    """Stock sglang MossVLForConditionalGeneration with every parameter NaN before loading, so an
+    unloaded parameter stays visible; returns (model, names of tensors the loader skipped)."""
+    from sglang.test.layer_ut_utils import init_single_process_dist
+
+    torch._dynamo.config.disable = True  # sglang's vision rotary is torch.compile'd; eager is the same math
+    init_single_process_dist(master_port=_free_port())
+    from sglang.srt.models.moss_vl import MossVLForConditionalGeneration
+
+    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)
+    torch.set_default_dtype(torch.float32)
+    model = MossVLForConditionalGeneration(config).eval()
+    for parameter in model.parameters():
+        parameter.data.fill_(float("nan"))
+    skipped = []
+
+    class SkipCollector(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Skipping weight"):
+                skipped.append(record.getMessage())
+
+    loader_logger = logging.getLogger("sglang.srt.models.moss_vl")
+    handler, previous = SkipCollector(level=logging.DEBUG), loader_logger.level
+    loader_logger.addHandler(handler)
+    loader_logger.setLevel(logging.DEBUG)
+    try:
+        model.load_weights(load_file(str(checkpoint / "model.safetensors")).items())
+    finally:
+        loader_logger.removeHandler(handler)
+        loader_logger.setLevel(previous)
+    return model, skipped
+
+
+@pytest.fixture(scope="module")
+def sglang_processor(checkpoint):
+    """Stock sglang MossVL multimodal processor, without its server plumbing: only the methods
+    that turn the HF processor output into positions, visibility and mm items are used."""
+    from sglang.srt.multimodal.processors.moss_vl import MossVLImageProcessor
+
+    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)
+    stock = MossVLImageProcessor.__new__(MossVLImageProcessor)
+    stock.hf_config = config  # spatial_merge_size is read from here
+    stock.image_token_id = config.image_token_id
+    stock.vision_seq_pad_multiple = 1
+    return stock
+
+
+def _mixed_media_inputs(processor):
+    rng = np.random.default_rng(3)
+    frames = [Image.fromarray(rng.integers(0, 255, (40, 60, 3), dtype=np.uint8)) for _ in range(3)]
+    text = "<|im_start|>user\nLook <|image|> then<|video|> and <|image|>, what changed?<|im_end|>\n<|im_start|>assistant\n"
+    images = [str(ASSETS / "gradient_96x64.png"), str(ASSETS / "square_64.png")]
+    return processor(text=text, images=images, videos=[frames])
+
+
+def test_stock_loader_takes_every_tensor_and_leaves_nothing_unset(sglang_model):
+    model, skipped = sglang_model
+    assert skipped == []
+    unset = [name for name, p in model.named_parameters() if torch.isnan(p).any()]
+    assert unset == []
+
+
+def test_stock_vision_tower_and_separators_equal_ours(sglang_model, ours, processor):
+    model, _ = sglang_model
+    inputs = _mixed_media_inputs(processor)
+    with torch.no_grad():
+        stock = model._insert_separator_tokens(model._get_vision_features(inputs["pixel_values"], inputs["grid_thw"]), inputs["grid_thw"])
+        mine = torch.cat(ours.encode_media(inputs["pixel_values"], inputs["grid_thw"]))
+    assert stock.shape == mine.shape
+    torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_stock_encoder_length_matches_the_formula_and_our_sequence(sglang_model, ours, processor):
+    model, _ = sglang_model
+    inputs = _mixed_media_inputs(processor)
+    grid = inputs["grid_thw"]
+    expected = sum(t * h * w // 4 + t for t, h, w in grid.tolist())
+    stock = model._get_encoder_len(SimpleNamespace(mm_items=[SimpleNamespace(grid_thw=grid)]))
+    with torch.no_grad():
+        mine = sum(m.shape[0] for m in ours.encode_media(inputs["pixel_values"], grid))
+    assert stock == expected == mine
+
+
+def test_stock_processor_positions_and_visibility_equal_ours(sglang_processor, processor, ours):
+    inputs = _mixed_media_inputs(processor)
+    input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+    mrope, delta, vision_ids, info = sglang_processor._compute_position_metadata(
+        input_ids=input_ids, attention_mask=attention_mask, grid_thw=inputs["grid_thw"], media_nums_per_sample=inputs["media_nums_per_sample"]
+    )
+    counts = sglang_processor._compute_visible_frame_counts(inputs["cross_attention_mask"])
+    items = sglang_processor._build_mm_items(dict(inputs), input_ids.flatten())
+    assert len(items) == 1 and items[0].grid_thw is not None and len(info) == 1
+
+    grids = [(h // 2, w // 2) for t, h, w in inputs["grid_thw"].tolist() for _ in range(t)]
+    mine = compute_xrope_positions(input_ids, attention_mask, [grids], ours.config.image_token_id)
+    assert torch.equal(mine.text, mrope)
+    assert torch.equal(mine.vision, vision_ids)
+    assert int(mine.next_text[0]) - input_ids.shape[1] == int(delta.flatten()[0])
+    # frame-prefix visibility: one more frame at each <|image_pad|>, none before the first
+    pads = (input_ids[0] == ours.config.image_token_id).long().cumsum(0)
+    assert torch.equal(counts.long(), pads)
+
+
+def test_stock_processor_accepts_text_only_output(sglang_processor, processor):
+    inputs = processor(text="<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n")
+    assert "pixel_values" not in inputs and "grid_thw" not in inputs
+    assert sglang_processor._build_mm_items(dict(inputs), inputs["input_ids"].flatten()) == []
+    mrope, delta, vision_ids, _ = sglang_processor._compute_position_metadata(inputs["input_ids"], inputs["attention_mask"], None, None)
+    assert vision_ids is None
+    assert torch.equal(mrope[0, 0], torch.arange(inputs["input_ids"].shape[1]))
+
+
+def test_xrope_rotation_equals_stock_cross_and_self_attention(sglang_model, ours, processor):
+    """Vision keys (k_proj -> k_norm -> XRoPE at vision positions) and self-attention q/k MRoPE."""
+    model, _ = sglang_model
+    inputs = _mixed_media_inputs(processor)
+    config = ours.config
+    grids = [(h // 2, w // 2) for t, h, w in inputs["grid_thw"].tolist() for _ in range(t)]
+    positions = compute_xrope_positions(inputs["input_ids"], inputs["attention_mask"], [grids], config.image_token_id)
+    cross_index = config.text_config.cross_attention_layers[0]
+    states = torch.randn(positions.vision.shape[-1], config.text_config.hidden_size, generator=torch.Generator().manual_seed(0))
+    stock_cross = model.language_model.model.layers[cross_index].cross_attn
+    mine_cross = ours.model.language_model.layers[cross_index].cross_attn
+    head_dim, kv_heads = config.text_config.head_dim, config.text_config.num_key_value_heads
+    with torch.no_grad():
+        k, _ = stock_cross.k_proj(states)
+        k = stock_cross.k_norm(k.reshape(-1, head_dim)).view(k.shape)
+        stock_k = stock_cross._apply_cross_attn_rotary(positions.vision[:, 0], k)
+        mine_k, mine_v = mine_cross.key_value(states[None], positions.vision)
+        stock_v, _ = stock_cross.v_proj(states)
+    torch.testing.assert_close(mine_k[0].transpose(0, 1).reshape(-1, kv_heads * head_dim), stock_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine_v[0].transpose(0, 1).reshape(-1, kv_heads * head_dim), stock_v, rtol=1e-5, atol=1e-5)
+
+    self_index = next(i for i in range(config.text_config.num_hidden_layers) if i not in config.text_config.cross_attention_layers)
+    rotary = model.language_model.model.layers[self_index].self_attn.rotary_emb
+    length = positions.text.shape[-1]
+    q = torch.randn(length, config.text_config.num_attention_heads * head_dim, generator=torch.Generator().manual_seed(1))
+    k = torch.randn(length, kv_heads * head_dim, generator=torch.Generator().manual_seed(2))
+    stock_q, stock_k = rotary.forward_native(positions.text[:, 0], q.clone(), k.clone())
+    mine_attn = ours.model.language_model.layers[self_index].self_attn
+    mine_q = mine_attn.rotate(q.view(1, length, -1, head_dim).transpose(1, 2), positions.text)
+    mine_k = mine_attn.rotate(k.view(1, length, -1, head_dim).transpose(1, 2), positions.text)
+    torch.testing.assert_close(mine_q[0].transpose(0, 1).reshape(length, -1), stock_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine_k[0].transpose(0, 1).reshape(length, -1), stock_k, rtol=1e-5, atol=1e-5)
+
+
+def test_chat_template_renders_like_sglang_moss_vl_conversation(processor):
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+    from sglang.srt.parser.conversation import generate_chat_conv
+
+    openai_messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///a.png"}}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": "A square."},
+        {"role": "user", "content": [{"type": "text", "text": "And here"}, {"type": "video_url", "video_url": {"url": "file:///v.mp4"}}, {"type": "text", "text": "?"}]},
+    ]
+    stock = generate_chat_conv(ChatCompletionRequest(model="m", messages=openai_messages), "moss-vl").get_prompt()
+    assert processor.apply_chat_template(openai_messages, add_generation_prompt=True) == stock
+    text_only = [{"role": "user", "content": "hello"}]
+    stock = generate_chat_conv(ChatCompletionRequest(model="m", messages=text_only), "moss-vl").get_prompt()
+    assert processor.apply_chat_template(text_only, add_generation_prompt=True) == stock
