@@ -1,0 +1,186 @@
+"""Server-argument resolution for MOSS-VL on npu / cpu / cuda, through real sglang resolution.
+
+The plugin's server-args hook is registered and applied exactly as sglang's plugin loader
+does (``register()`` then ``HookRegistry.apply_hooks()``); each case parses a command line with
+``prepare_server_args`` and runs the real resolution pipeline (``resolve_once``).
+
+Stand-ins: this machine has no NPU and no ``torch_npu``. Stock NPU resolution reads the
+device memory size (``get_npu_memory_capacity``) to pick chunk and graph sizes; the tests
+replace that one probe with a constant 64 GiB (an Ascend 910B2-class card). Nothing else is
+simulated: ``--device npu`` drives the rest of stock resolution as on real hardware.
+"""
+
+import json
+import logging
+
+import pytest
+
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+from mossvl_ascend import server_args as mossvl_server_args
+
+SOURCE_PR_COMMAND = [
+    "--device", "npu",
+    "--attention-backend", "ascend",
+    "--prefill-attention-backend", "ascend",
+    "--decode-attention-backend", "ascend",
+    "--sampling-backend", "ascend",
+    "--mm-attention-backend", "ascend_attn",
+    "--trust-remote-code",
+    "--enable-multimodal",
+]  # fmt: skip
+FLASHINFER_ASSERTION = "requires flashinfer prefill attention backend"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin_hook_applied():
+    mossvl_server_args.register()
+    HookRegistry.apply_hooks()
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A throwaway checkpoint directory: sglang reads only ``config.json`` to resolve args."""
+    config = {
+        "architectures": ["MossVLForConditionalGeneration"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+        "max_position_embeddings": 512,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.fixture
+def npu_memory_stand_in(monkeypatch):
+    """Stand-in for the NPU memory probe (needs torch_npu): a 64 GiB card."""
+    import sglang.srt.hardware_backend.npu.utils as npu_utils
+    import sglang.srt.utils.common as common
+
+    def capacity_mib():
+        return 64 * 1024
+
+    monkeypatch.setattr(npu_utils, "get_npu_memory_capacity", capacity_mib)
+    monkeypatch.setattr(common, "get_npu_memory_capacity", capacity_mib)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ("MOSSVL_NPU_ENABLE_RADIX_CACHE", "ASCEND_USE_FIA", "ASCEND_USE_FA"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def plugin_log():
+    """Records of the plugin's server-args logger (root handlers are reset by sglang)."""
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Collect(level=logging.DEBUG)
+    logger = logging.getLogger(mossvl_server_args.__name__)
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def resolve(model_dir, *argv):
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(["--model-path", str(model_dir), *argv])
+    args.resolve_once()
+    return resolving_view(args)
+
+
+def backends(view):
+    return (
+        view.attention_backend,
+        view.prefill_attention_backend,
+        view.decode_attention_backend,
+        view.sampling_backend,
+    )
+
+
+def test_npu_source_pr_command_and_short_form_resolve_to_ascend(model_dir, npu_memory_stand_in):
+    full = resolve(model_dir, *SOURCE_PR_COMMAND)
+    short = resolve(model_dir, "--device", "npu")
+    assert backends(full) == ("ascend", "ascend", "ascend", "ascend")
+    assert backends(short) == backends(full)
+    assert full.mm_attention_backend == "ascend_attn"
+    for view in (full, short):
+        assert view.disable_radix_cache is True
+        assert view.cuda_graph_config.decode.backend == "disabled"
+        assert view.page_size == 128
+
+
+def test_npu_keeps_explicit_user_backends(model_dir, npu_memory_stand_in):
+    split = resolve(model_dir, "--device", "npu", "--decode-attention-backend", "torch_native")
+    assert (split.prefill_attention_backend, split.decode_attention_backend) == (
+        "ascend",
+        "torch_native",
+    )
+    base = resolve(model_dir, "--device", "npu", "--attention-backend", "torch_native")
+    assert backends(base)[:3] == ("torch_native",) * 3
+    sampling = resolve(model_dir, "--device", "npu", "--sampling-backend", "pytorch")
+    assert sampling.sampling_backend == "pytorch"
+
+
+def test_npu_radix_cache_disabled_with_one_reason_line(model_dir, npu_memory_stand_in, plugin_log):
+    view = resolve(model_dir, "--device", "npu")
+    assert view.disable_radix_cache is True
+    radix_lines = [r.getMessage() for r in plugin_log if "radix" in r.getMessage().lower()]
+    assert len(radix_lines) == 1
+    assert "20%" in radix_lines[0] and "MOSSVL_NPU_ENABLE_RADIX_CACHE" in radix_lines[0]
+
+
+def test_npu_radix_cache_opt_in(model_dir, npu_memory_stand_in, plugin_log, monkeypatch):
+    monkeypatch.setenv("MOSSVL_NPU_ENABLE_RADIX_CACHE", "1")
+    view = resolve(model_dir, "--device", "npu")
+    assert view.disable_radix_cache is False
+    assert not [r for r in plugin_log if "radix" in r.getMessage().lower()]
+
+
+@pytest.mark.parametrize("name,value", [("ASCEND_USE_FIA", "1"), ("ASCEND_USE_FA", "true")])
+def test_npu_refuses_fused_ascend_extend_env(model_dir, npu_memory_stand_in, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        resolve(model_dir, "--device", "npu")
+
+
+def test_npu_accepts_fused_ascend_extend_env_set_off(model_dir, npu_memory_stand_in, monkeypatch):
+    monkeypatch.setenv("ASCEND_USE_FIA", "0")
+    monkeypatch.setenv("ASCEND_USE_FA", "false")
+    assert resolve(model_dir, "--device", "npu").attention_backend == "ascend"
+
+
+def test_cpu_defaults_to_torch_native(model_dir):
+    view = resolve(model_dir, "--device", "cpu")
+    assert view.attention_backend == "torch_native"
+    assert (view.prefill_attention_backend, view.decode_attention_backend) == (None, None)
+    assert view.disable_radix_cache is False  # the NPU-only radix policy does not apply
+
+
+def test_cpu_keeps_user_backend_without_flashinfer_assertion(model_dir):
+    # Stock's flashinfer assertion rejected any non-flashinfer choice here.
+    view = resolve(model_dir, "--device", "cpu", "--attention-backend", "flex_attention")
+    assert view.attention_backend == "flex_attention"
+
+
+def test_cuda_keeps_stock_flashinfer_default(model_dir):
+    view = resolve(model_dir, "--device", "cuda")
+    assert view.prefill_attention_backend == "flashinfer"
+    assert view.disable_radix_cache is False
+    assert view.cuda_graph_config.decode.backend != "disabled"
+
+
+def test_cuda_keeps_stock_flashinfer_assertion(model_dir):
+    with pytest.raises(AssertionError, match=FLASHINFER_ASSERTION):
+        resolve(model_dir, "--device", "cuda", "--attention-backend", "triton")
