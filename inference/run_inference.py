@@ -199,16 +199,19 @@ def resolve_query_media_paths(query: dict, base_dir: Path) -> dict:
 # ------------------------------------------------------------------------------------------ device
 
 
-def choose_device(requested: str) -> str:
-    """The device type to run on; an explicit accelerator that this machine lacks is an error, not a fallback."""
+def choose_device(requested: str) -> tuple[str, str]:
+    """(device type, torch device string) for ``auto``, ``cpu``, ``npu``, ``cuda`` or ``npu:1``-style names.
+
+    An accelerator this machine lacks is an error, not a silent fallback to CPU."""
     detected = device_utils.get_device_type()
     if requested == "auto":
-        logger.info("--device auto: using %s (%s)", detected, device_utils.describe())
-        return detected
-    if requested not in ("cpu", detected):
-        raise SystemExit(f"--device {requested} requested, but this machine offers {detected} ({device_utils.describe()})")
-    logger.info("--device %s requested", requested)
-    return requested
+        logger.info("device auto: using %s (%s)", detected, device_utils.describe())
+        return detected, device_utils.get_device_str(0)
+    device_type, _, index = requested.partition(":")
+    if device_type not in ("cpu", detected) or (index and not index.isdigit()) or (device_type == "cpu" and index):
+        raise SystemExit(f"device {requested!r} requested, but this machine offers {detected} ({device_utils.describe()})")
+    logger.info("device %s requested", requested)
+    return device_type, "cpu" if device_type == "cpu" else device_utils.get_device_str(int(index or 0))
 
 
 def choose_attention(requested: str, device: str) -> tuple[str, str]:
@@ -235,33 +238,33 @@ def choose_dtype(requested: str | None, device: str) -> str:
     return requested or ("float32" if device == "cpu" else "bfloat16")
 
 
-def load_model(args: argparse.Namespace) -> tuple[Any, Any, dict]:
-    """(model, processor, run metadata) for the parsed command line."""
-    device = choose_device(args.device)
-    attn_implementation, why = choose_attention(args.attention_backend, device)
-    dtype = choose_dtype(args.dtype, device)
-    target = "cpu" if device == "cpu" else device_utils.get_device_str(0)
+def load_model(
+    checkpoint: Path | str,
+    device: str = "auto",
+    dtype: str | None = None,
+    attention_backend: str = "auto",
+    cross_attention_implementation: str | None = None,
+) -> tuple[Any, Any, dict]:
+    """(model in eval mode, processor, run metadata). Shared with the realtime runner."""
+    device_type, target = choose_device(device)
+    attn_implementation, why = choose_attention(attention_backend, device_type)
+    dtype = choose_dtype(dtype, device_type)
     logger.info("attention implementation: %s (%s)", attn_implementation, why)
     # Loaded on the host and moved with .to(): a device_map would need `accelerate`, which one device does not.
-    model_kwargs = {
-        "trust_remote_code": True,
-        "dtype": DTYPES[dtype],
-        "attn_implementation": attn_implementation,
-    }
-    if args.cross_attention_implementation is not None:
-        model_kwargs["cross_attention_implementation"] = args.cross_attention_implementation
-    logger.info("loading %s on %s as %s", args.checkpoint, target, dtype)
-    processor = AutoProcessor.from_pretrained(args.checkpoint, trust_remote_code=True)
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, **model_kwargs)
-    model = model.to(target).eval()
+    model_kwargs = {"trust_remote_code": True, "dtype": DTYPES[dtype], "attn_implementation": attn_implementation}
+    if cross_attention_implementation is not None:
+        model_kwargs["cross_attention_implementation"] = cross_attention_implementation
+    logger.info("loading %s on %s as %s", checkpoint, target, dtype)
+    processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, **model_kwargs).to(target).eval()
     metadata = {
-        "checkpoint": str(args.checkpoint),
+        "checkpoint": str(checkpoint),
         "device": target,
         "device_description": device_utils.describe(),
         "dtype": dtype,
         "attention_implementation": attn_implementation,
         "attention_implementation_reason": why,
-        "cross_attention_implementation": args.cross_attention_implementation,
+        "cross_attention_implementation": cross_attention_implementation,
     }
     return model, processor, metadata
 
@@ -372,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     output_path = args.output or input_path.with_name(f"{input_path.stem}_results.json")
     raw_queries = load_queries(input_path)
     started = time.perf_counter()
-    model, processor, metadata = load_model(args)
+    model, processor, metadata = load_model(
+        args.checkpoint, args.device, args.dtype, args.attention_backend, args.cross_attention_implementation
+    )
     load_seconds = time.perf_counter() - started
     results = run_queries(model, processor, raw_queries, input_path.parent, args.timeout_seconds)
     failed = sum("error" in r for r in results)

@@ -189,11 +189,6 @@ def simulated_device(monkeypatch):
     return simulate
 
 
-def cli_args(**overrides) -> SimpleNamespace:
-    args = {"checkpoint": Path("ckpt"), "device": "auto", "dtype": None, "attention_backend": "auto", "cross_attention_implementation": None}
-    return SimpleNamespace(**{**args, **overrides})
-
-
 @pytest.mark.parametrize(
     ("device_type", "overrides", "attn", "target", "dtype"),
     [
@@ -203,11 +198,12 @@ def cli_args(**overrides) -> SimpleNamespace:
         ("cuda", {}, "flash_attention_2", "cuda:0", "bfloat16"),
         ("cuda", {"device": "cpu"}, "sdpa", "cpu", "float32"),
         ("cpu", {"dtype": "bfloat16"}, "sdpa", "cpu", "bfloat16"),
+        ("npu", {"device": "npu:1", "attention_backend": "eager"}, "eager", "npu:1", "bfloat16"),
     ],
 )
 def test_attention_and_device_reach_from_pretrained(simulated_device, device_type, overrides, attn, target, dtype):
     loader = simulated_device(device_type)
-    _, _, metadata = run_inference.load_model(cli_args(**overrides))
+    _, _, metadata = run_inference.load_model("ckpt", **overrides)
     (kwargs,) = loader.calls
     assert kwargs["attn_implementation"] == attn
     assert kwargs["dtype"] == run_inference.DTYPES[dtype]
@@ -219,15 +215,15 @@ def test_attention_and_device_reach_from_pretrained(simulated_device, device_typ
 
 def test_cross_attention_implementation_forwarded_only_when_given(simulated_device):
     loader = simulated_device("npu")
-    run_inference.load_model(cli_args(cross_attention_implementation="sdpa"))
+    run_inference.load_model("ckpt", cross_attention_implementation="sdpa")
     assert loader.calls[0]["attn_implementation"] == "eager"
     assert loader.calls[0]["cross_attention_implementation"] == "sdpa"
 
 
 def test_missing_accelerator_is_an_error_not_a_fallback(simulated_device):
     simulated_device("cpu")
-    with pytest.raises(SystemExit, match="--device npu requested, but this machine offers cpu"):
-        run_inference.load_model(cli_args(device="npu"))
+    with pytest.raises(SystemExit, match="device 'npu' requested, but this machine offers cpu"):
+        run_inference.load_model("ckpt", device="npu")
 
 
 # ----------------------------------------------------------------- end to end with the tiny model
