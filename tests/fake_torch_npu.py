@@ -16,6 +16,7 @@ Use :func:`installed_fake_torch_npu` (a context manager) so the stand-in lives i
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import sys
 import types
 
@@ -71,12 +72,16 @@ def build_fake_modules() -> dict[str, types.ModuleType]:
     attention.__path__ = []
     kernel.attention = attention
     attention.sinks_attention = sinks
-    return {
+    modules = {
         "torch_npu": torch_npu,
         "sgl_kernel_npu": kernel,
         "sgl_kernel_npu.attention": attention,
         "sgl_kernel_npu.attention.sinks_attention": sinks,
     }
+    # A spec lets importlib.util.find_spec (used by transformers' availability probes) answer.
+    for name, module in modules.items():
+        module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
+    return modules
 
 
 @contextlib.contextmanager

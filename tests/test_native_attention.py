@@ -455,3 +455,175 @@ def test_stock_mask_builder_feeds_the_native_backend(patched_native):
     forward_batch.forward_mode = ForwardMode.DECODE
     model.prepare_forward_batch(forward_batch)
     assert forward_batch.cross_attention_custom_mask is None
+
+
+# ----------------------------------------------------------------------------- layer routes
+# Shared by tests/test_ascend_backend.py and tests/test_cpu_attention_route.py: one attention
+# layer through a real backend's forward() (sglang's AttentionBackend.forward dispatch) over a
+# real KV pool and a real ReqToTokenPool, with a real ForwardBatch.
+
+CROSS_LAYER_ID, SELF_LAYER_ID = 0, 1
+ROUTE_HEADS = (4, 2)
+
+
+def make_layers(logit_cap=0.0):
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    num_heads, num_kv_heads = ROUTE_HEADS
+    cross = RadixAttention(
+        num_heads, HEAD_DIM, SCALE, num_kv_heads, layer_id=CROSS_LAYER_ID,
+        is_cross_attention=True, logit_cap=logit_cap,
+    )
+    self_attn = RadixAttention(
+        num_heads, HEAD_DIM, SCALE, num_kv_heads, layer_id=SELF_LAYER_ID, logit_cap=logit_cap
+    )
+    return cross, self_attn
+
+
+def make_req_to_token_pool():
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    return ReqToTokenPool(size=8, max_context_len=64, device="cpu", enable_memory_saver=False)
+
+
+def pool_rows(pool, layer_id, slots):
+    """(K, V) ``[len(slots), Hkv, D]`` as stored in the pool (read straight from its buffers)."""
+    num_kv_heads = ROUTE_HEADS[1]
+    k = pool.get_key_buffer(layer_id).view(-1, num_kv_heads, HEAD_DIM)[slots]
+    v = pool.get_value_buffer(layer_id).view(-1, num_kv_heads, HEAD_DIM)[slots]
+    return k.clone(), v.clone()
+
+
+def load_batch_into_pools(batch, pool, req_to_token_pool, *, except_slots=()):
+    """Test set-up: every request's cached K/V into both layers, except slots this forward writes."""
+    num_kv_heads = ROUTE_HEADS[1]
+    rows = batch.req_to_token.shape[0]
+    req_to_token_pool.req_to_token[:rows, : batch.req_to_token.shape[1]] = batch.req_to_token
+    for layer_id in (CROSS_LAYER_ID, SELF_LAYER_ID):
+        k_buf = pool.get_key_buffer(layer_id).view(-1, num_kv_heads, HEAD_DIM)
+        v_buf = pool.get_value_buffer(layer_id).view(-1, num_kv_heads, HEAD_DIM)
+        k_buf[:POOL_SLOTS] = batch.k_cache
+        v_buf[:POOL_SLOTS] = batch.v_cache
+        for slots in except_slots:
+            k_buf[slots] = -100.0  # garbage the forward must overwrite before reading
+            v_buf[slots] = 100.0
+
+
+def make_forward_batch(batch, mode, *, out_cache_loc, encoder_out_cache_loc, mask=None):
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    forward_batch = ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(batch.requests),
+        input_ids=torch.zeros(batch.query.shape[0], dtype=torch.long),
+        req_pool_indices=batch.req_pool_indices,
+        seq_lens=batch.seq_lens,
+        out_cache_loc=out_cache_loc,
+        seq_lens_sum=int(batch.seq_lens.sum()),
+    )
+    forward_batch.encoder_lens = batch.encoder_lens
+    forward_batch.encoder_lens_cpu = batch.encoder_lens.tolist()
+    forward_batch.encoder_out_cache_loc = encoder_out_cache_loc
+    forward_batch.extend_prefix_lens = batch.extend_prefix_lens
+    forward_batch.extend_seq_lens = batch.extend_seq_lens
+    forward_batch.extend_prefix_lens_cpu = batch.extend_prefix_lens.tolist()
+    forward_batch.extend_seq_lens_cpu = batch.extend_seq_lens.tolist()
+    forward_batch.cross_attention_custom_mask = mask
+    return forward_batch
+
+
+def new_text_slots(batch):
+    return torch.cat([s[r.encoder_len + r.prefix_len :] for r, s in zip(batch.requests, batch.slots)])
+
+
+def check_extend_cross_writes_new_encoder_and_applies_mask(backend, pool, req_to_token_pool, logit_cap):
+    """Request 0's encoder is computed in this pass (k/v given); 2 and 3 are cached; 1 has none."""
+    batch = build_batch(example_requests(), *ROUTE_HEADS)
+    fresh = batch.slots[0][: batch.requests[0].encoder_len]
+    load_batch_into_pools(batch, pool, req_to_token_pool, except_slots=[fresh])
+    others_before = pool_rows(pool, CROSS_LAYER_ID, batch.slots[2])
+    cross, _ = make_layers(logit_cap)
+    forward_batch = make_forward_batch(
+        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
+        encoder_out_cache_loc=fresh, mask=batch.packed_mask(),
+    )
+    out = backend.forward(
+        batch.query.flatten(1), batch.encoder_k[0], batch.encoder_v[0], cross, forward_batch
+    )
+    expected = reference_cross_extend(batch, SCALE, logit_cap)
+    torch.testing.assert_close(out.view_as(expected), expected, atol=1e-5, rtol=1e-5)
+    written_k, written_v = pool_rows(pool, CROSS_LAYER_ID, fresh)
+    assert torch.equal(written_k, batch.encoder_k[0]) and torch.equal(written_v, batch.encoder_v[0])
+    for before, after in zip(others_before, pool_rows(pool, CROSS_LAYER_ID, batch.slots[2])):
+        assert torch.equal(before, after)
+
+
+def check_extend_cross_with_cached_encoders_writes_nothing(backend, pool, req_to_token_pool):
+    """k = v = None (every encoder cached): no KV write, cached encoder K/V read, mask applied."""
+    batch = build_batch([example_requests()[i] for i in (2, 1, 3)], *ROUTE_HEADS)
+    load_batch_into_pools(batch, pool, req_to_token_pool)
+    k_before = pool.get_key_buffer(CROSS_LAYER_ID).clone()
+    cross, _ = make_layers()
+    forward_batch = make_forward_batch(
+        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
+    )
+    out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch)
+    expected = reference_cross_extend(batch, SCALE)
+    torch.testing.assert_close(out.view_as(expected), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool.get_key_buffer(CROSS_LAYER_ID), k_before)
+
+
+def check_extend_self_with_cached_prefix(backend, pool, req_to_token_pool, logit_cap):
+    """New text K/V written at out_cache_loc; keys over the cached prefix plus the new tokens."""
+    batch = build_batch(example_requests(), *ROUTE_HEADS)
+    new_slots = new_text_slots(batch)
+    load_batch_into_pools(batch, pool, req_to_token_pool, except_slots=[new_slots])
+    _, self_attn = make_layers(logit_cap)
+    new_k = torch.cat([k[r.prefix_len :] for r, k in zip(batch.requests, batch.text_k)])
+    new_v = torch.cat([v[r.prefix_len :] for r, v in zip(batch.requests, batch.text_v)])
+    forward_batch = make_forward_batch(
+        batch, ForwardMode.EXTEND, out_cache_loc=new_slots,
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
+    )
+    out = backend.forward(batch.query.flatten(1), new_k, new_v, self_attn, forward_batch)
+    expected = reference_self_extend(batch, SCALE, logit_cap)
+    torch.testing.assert_close(out.view_as(expected), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool_rows(pool, SELF_LAYER_ID, new_slots)[0], new_k)
+
+
+def check_decode_cross_reads_cached_encoder_and_sees_all_frames(backend, pool, req_to_token_pool, logit_cap):
+    batch = decode_batch(ROUTE_HEADS)
+    load_batch_into_pools(batch, pool, req_to_token_pool)
+    k_before = pool.get_key_buffer(CROSS_LAYER_ID).clone()
+    cross, _ = make_layers(logit_cap)
+    forward_batch = make_forward_batch(
+        batch, ForwardMode.DECODE, out_cache_loc=new_text_slots(batch),
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long),
+    )
+    out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch).view_as(batch.query)
+    for i, req in enumerate(batch.requests):
+        all_frames = torch.ones(1, req.encoder_len, dtype=torch.bool)
+        expected = reference_attention(
+            batch.query[i : i + 1], batch.encoder_k[i], batch.encoder_v[i], all_frames, SCALE, logit_cap
+        )
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool.get_key_buffer(CROSS_LAYER_ID), k_before)
+
+
+def check_decode_self_writes_token_and_reads_text_window(backend, pool, req_to_token_pool):
+    batch = decode_batch(ROUTE_HEADS)
+    new_slots = new_text_slots(batch)
+    load_batch_into_pools(batch, pool, req_to_token_pool, except_slots=[new_slots])
+    _, self_attn = make_layers()
+    forward_batch = make_forward_batch(
+        batch, ForwardMode.DECODE, out_cache_loc=new_slots,
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long),
+    )
+    new_k = torch.stack([k[-1] for k in batch.text_k])
+    new_v = torch.stack([v[-1] for v in batch.text_v])
+    out = backend.forward(batch.query.flatten(1), new_k, new_v, self_attn, forward_batch).view_as(batch.query)
+    for i, req in enumerate(batch.requests):
+        all_text = torch.ones(1, req.text_len, dtype=torch.bool)
+        expected = reference_attention(batch.query[i : i + 1], batch.text_k[i], batch.text_v[i], all_text, SCALE)
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
