@@ -1,0 +1,68 @@
+"""The tiny checkpoint builder: deterministic, small, fast, self-contained remote code."""
+
+import json
+import time
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor
+
+from moss_vl_reference import tiny_checkpoint
+from moss_vl_reference.tiny_checkpoint import SPECIAL_TOKENS, build_or_reuse
+
+
+def test_same_seed_is_byte_identical_other_seed_differs_and_build_is_fast_and_small(tmp_path):
+    timings = []
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        started = time.perf_counter()
+        build_or_reuse("tiny", tmp_path / name, seed)
+        timings.append(time.perf_counter() - started)
+    weights = {name: (tmp_path / name / "model.safetensors").read_bytes() for name in "abc"}
+    assert weights["a"] == weights["b"] and weights["a"] != weights["c"]
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert max(timings) < 30, timings
+    size = sum(f.stat().st_size for f in (tmp_path / "a").iterdir())
+    assert size < 20 * 2**20, size
+    started = time.perf_counter()
+    assert build_or_reuse("tiny", tmp_path / "a", 7) == tmp_path / "a"
+    assert time.perf_counter() - started < 1.0  # reused, not rebuilt
+
+
+def test_cli_prints_the_directory_last(tmp_path, capsys):
+    assert tiny_checkpoint.main(["--out", str(tmp_path / "cli"), "--seed", "3"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "cli")
+
+
+def test_architecture_requirements_and_float32_weights():
+    directory = build_or_reuse("tiny")
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=True)
+    text, vision = config.text_config, config.vision_config
+    assert len(text.cross_attention_layers) >= 2 and vision.depth >= 3
+    assert vision.deepstack_visual_indexes and vision.depth - 1 not in vision.deepstack_visual_indexes
+    assert vision.out_hidden_size == text.hidden_size
+    assert sum(text.rope_scaling["mrope_section"]) == text.head_dim // 2 and text.rope_scaling["mrope_interleaved"]
+    weights = load_file(str(directory / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    assert "model.separator_token" in weights and "lm_head.weight" in weights
+    raw = json.loads((directory / "config.json").read_text())
+    assert raw["architectures"] == ["MossVLForConditionalGeneration"] and raw["model_type"] == "moss_vl"
+    assert set(raw["auto_map"]) >= {"AutoConfig", "AutoModelForCausalLM", "AutoProcessor"}
+
+
+def test_loads_offline_with_remote_code_and_special_token_ids_match_config():
+    directory = build_or_reuse("tiny")
+    processor = AutoProcessor.from_pretrained(directory, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, dtype=torch.float32)
+    assert type(model).__module__.startswith("transformers_modules")  # the copied remote code, not the repo package
+    tokenizer = processor.tokenizer
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    assert len(set(ids.values())) == len(SPECIAL_TOKENS) and tokenizer.unk_token_id not in ids.values()
+    assert model.config.image_token_id == ids["<|image_pad|>"]
+    assert model.config.video_token_id == ids["<|video_pad|>"]
+    assert model.config.vision_start_token_id == ids["<|vision_start|>"]
+    assert model.config.vision_end_token_id == ids["<|vision_end|>"]
+    assert model.config.text_config.eos_token_id == ids["<|im_end|>"]
+    for token in SPECIAL_TOKENS:  # each special token is one id, never split by BPE
+        assert tokenizer(f"a{token}b", add_special_tokens=False)["input_ids"][1:-1] == [ids[token]]
+    assert tokenizer("", add_special_tokens=True)["input_ids"] == []  # sglang: no auto-added BOS
+    assert model.config.text_config.vocab_size >= len(tokenizer)
