@@ -28,6 +28,9 @@ $(STAMP): requirements-sglang-runtime.txt requirements-test.txt sglang/pyproject
 	$(PY) -c "import sglang, torch; assert sglang.__version__ == '0.5.23', sglang.__version__; print('sglang', sglang.__version__, 'torch', torch.__version__)"
 	touch $@
 
+tiny-model: setup ## build (or reuse) the tiny random-weight MOSS-VL checkpoint; prints its directory last
+	$(CPU_ENV) $(PY) -m moss_vl_reference.tiny_checkpoint
+
 test: setup ## run the whole CPU test suite
 	$(CPU_ENV) $(PY) -m pytest tests -q
 
