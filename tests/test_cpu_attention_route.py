@@ -1,0 +1,129 @@
+"""The CPU server's MossVL attention runs the patched Ascend native math (item 9).
+
+Real: ``TorchNativeAttnBackend`` (constructed with a stand-in model runner that only carries
+the device and the two pools), its ``forward_extend`` / ``forward_decode`` wrapped by our hooks
+through HookRegistry, ``AttentionBackend.forward`` dispatch, ``MHATokenToKVPool`` (the CPU
+server's KV pool), ``ReqToTokenPool``, ``RadixAttention``, ``ForwardBatch``. The checks are the
+same ones tests/test_ascend_backend.py runs on ``AscendAttnBackend``; oracle: the dense fp32
+reference of test_native_attention.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from mossvl_ascend import cpu_attention, native_attention
+from test_native_attention import (
+    ROUTE_HEADS,
+    SCALE,
+    build_batch,
+    causal_with_prefix,
+    check_decode_cross_reads_cached_encoder_and_sees_all_frames,
+    check_decode_self_writes_token_and_reads_text_window,
+    check_extend_cross_with_cached_encoders_writes_nothing,
+    check_extend_cross_writes_new_encoder_and_applies_mask,
+    check_extend_self_with_cached_prefix,
+    example_requests,
+    hooks_applied,
+    load_batch_into_pools,
+    make_forward_batch,
+    make_layers,
+    make_req_to_token_pool,
+    new_text_slots,
+    reference_attention,
+    reference_cross_extend,
+    Request,
+)
+
+
+def make_cpu_route():
+    pool = MHATokenToKVPool(
+        size=512, page_size=1, dtype=torch.float32, head_num=ROUTE_HEADS[1], head_dim=8,
+        layer_num=2, device="cpu", enable_memory_saver=False,
+    )
+    req_to_token_pool = make_req_to_token_pool()
+    runner = SimpleNamespace(device="cpu", req_to_token_pool=req_to_token_pool, token_to_kv_pool=pool)
+    return TorchNativeAttnBackend(runner), pool, req_to_token_pool
+
+
+@pytest.fixture
+def route():
+    with hooks_applied(native_attention.register, cpu_attention.register):
+        yield make_cpu_route()
+
+
+SOFTCAP = pytest.mark.parametrize("logit_cap", [0.0, 1.5], ids=["plain", "softcap"])
+
+
+@SOFTCAP
+def test_extend_cross_writes_new_encoder_and_applies_mask(route, logit_cap):
+    check_extend_cross_writes_new_encoder_and_applies_mask(*route, logit_cap)
+
+
+def test_extend_cross_with_cached_encoders_writes_nothing(route):
+    check_extend_cross_with_cached_encoders_writes_nothing(*route)
+
+
+@SOFTCAP
+def test_extend_self_with_cached_prefix(route, logit_cap):
+    check_extend_self_with_cached_prefix(*route, logit_cap)
+
+
+@SOFTCAP
+def test_decode_cross_reads_cached_encoder_and_sees_all_frames(route, logit_cap):
+    check_decode_cross_reads_cached_encoder_and_sees_all_frames(*route, logit_cap)
+
+
+def test_decode_self_writes_token_and_reads_text_window(route):
+    check_decode_self_writes_token_and_reads_text_window(*route)
+
+
+def test_encoder_batches_reach_the_ascend_native_method(route, monkeypatch):
+    """The route calls AscendTorchNativeAttnBackend.run_sdpa_forward_extend (the NPU code path)."""
+    calls = []
+    native_extend = type(native_attention.ASCEND_NATIVE_MATH).run_sdpa_forward_extend
+
+    def recording(self, *args, **kwargs):
+        calls.append(kwargs["cross_attention_custom_mask"])
+        return native_extend(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(native_attention.ASCEND_NATIVE_MATH), "run_sdpa_forward_extend", recording)
+    check_extend_cross_with_cached_encoders_writes_nothing(*route)
+    assert len(calls) == 1 and calls[0] is not None
+
+
+def test_text_only_batches_keep_the_stock_torch_native_path(route):
+    backend, pool, req_to_token_pool = route
+    req = Request(spans=[], prefix_len=0, extend_len=5)
+    batch = build_batch([req], *ROUTE_HEADS)
+    load_batch_into_pools(batch, pool, req_to_token_pool)
+    forward_batch = make_forward_batch(
+        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch), encoder_out_cache_loc=None
+    )
+    forward_batch.encoder_lens = None
+    _, self_attn = make_layers()
+    out = backend.forward(batch.query.flatten(1), None, None, self_attn, forward_batch)
+    expected = reference_attention(batch.query, batch.text_k[0], batch.text_v[0], causal_with_prefix(5, 0), SCALE)
+    torch.testing.assert_close(out.view_as(expected), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_stock_torch_native_drops_the_frame_mask():
+    """Why the route exists: unhooked torch_native gives every token every frame."""
+    backend, pool, req_to_token_pool = make_cpu_route()
+    batch = build_batch([example_requests()[0]], *ROUTE_HEADS)
+    load_batch_into_pools(batch, pool, req_to_token_pool)
+    forward_batch = make_forward_batch(
+        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
+    )
+    cross, _ = make_layers()
+    out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch)
+    expected = reference_cross_extend(batch, SCALE)
+    assert not torch.allclose(out.view_as(expected), expected, atol=1e-3)
