@@ -797,7 +797,11 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
                 emitted[0] = text
 
         self.generate(**inputs, **generate_kwargs, on_token=on_token, stop_event=stop_event)
-        return emitted[0]
+        # a trailing incomplete byte sequence was held back above; the answer ends here, so flush it
+        final = processor.decode(decoded, skip_special_tokens=True)
+        if len(final) > len(emitted[0]):
+            output_queue.put(final[len(emitted[0]) :])
+        return final
 
     def create_realtime_session(self, processor, initial_prompt: str = "", system_prompt: str = "", frame_queue_size: int = 256, max_tokens_per_turn: int = 256, **generate_kwargs):
         """A realtime session over a growing stream of timestamped frames (see MossVLRealtimeSession)."""

@@ -17,6 +17,7 @@ Text-only input produces none of the vision keys (sglang would otherwise prepend
 """
 
 import copy
+import io
 import math
 import os
 import re
@@ -55,9 +56,15 @@ CHAT_TEMPLATE = (
 
 
 def _load_image(image) -> Image.Image:
-    """A PIL image from a PIL image or a local path (file:// allowed)."""
+    """A PIL image from a PIL image, encoded bytes, or a local path (file:// allowed)."""
     if isinstance(image, Image.Image):
         return image.convert("RGB")
+    if isinstance(image, (bytes, bytearray)):
+        try:
+            with Image.open(io.BytesIO(image)) as opened:
+                return opened.convert("RGB")
+        except (UnidentifiedImageError, OSError) as error:
+            raise ValueError(f"cannot decode image bytes ({len(image)} bytes): {error}") from error
     if isinstance(image, dict):
         image = image.get("image") or image.get("image_url") or image.get("url")
     if not isinstance(image, (str, os.PathLike)):
