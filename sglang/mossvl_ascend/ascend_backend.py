@@ -12,15 +12,17 @@ Catalog
   frame-causal visibility is dropped on the NPU. Also, with ``ASCEND_USE_FIA=1`` or
   ``ASCEND_USE_FA=1`` stock takes fused-kernel branches that ignore ``encoder_lens`` (they would
   attend text queries over the encoder slots as if they were text), so the encoder-aware native
-  path must be chosen by the batch, not by those flags. The k/v None guard (cross-attention
-  layers get k = v = None when the encoder K/V is already cached or there is no vision input)
-  is already in stock 0.5.23; the hook keeps it.
+  path must be chosen by the batch, not by those flags (``mossvl_ascend.server_args`` also
+  refuses those flags for MOSS-VL on NPU and turns decode graphs off; this hook does not rely
+  on it). The k/v None guard (cross-attention layers get k = v = None when the encoder K/V is
+  already cached or there is no vision input) is already in stock 0.5.23; the hook keeps it.
 - *how*: for a batch with ``forward_batch.encoder_lens`` on a non-MLA model (eager mode), the
   hook runs :func:`mossvl_ascend.native_attention.encoder_decoder_attention`: KV write through
   the pool's ``set_kv_buffer`` (encoder slots for cross-attention layers, skipped when k/v are
   None), then the patched native extend with ``cross_attention_custom_mask=`` or the stock
   native decode (every decode token sees all frames). Other batches, MLA models and NPU graph
-  replay go to the stock method unchanged.
+  replay go to the stock method unchanged (the native math syncs with the host per request, so
+  it cannot be captured; graph decode is off for MOSS-VL, see ``server_args``).
 - *upstream status / when to remove*: not upstream in 0.5.23. Remove once ``forward_extend``
   passes the mask (keyword ``cross_attention_custom_mask``) and encoder-decoder batches cannot
   reach the FIA/FA branches.

@@ -35,6 +35,18 @@ Catalog
 - *upstream status / when to remove*: not upstream in 0.5.23 (the source PR patched the file in
   its fork). Remove once ``run_sdpa_forward_extend`` accepts the mask and reads the right windows.
 
+**No hook: the cross-attention mask for non-flashinfer backends** (item 2)
+
+- *target*: ``sglang.srt.models.moss_vl.MossVLForConditionalGeneration.prepare_forward_batch``
+  (called by ``model_executor.runner.eager_runner`` before every extend's
+  ``init_forward_metadata``, whatever the attention backend).
+- *status*: 0.5.23 already behaves: unlike the source PR's fork it has no
+  ``prefill_backend != "flashinfer"`` early return, so the packed mask is built on every extend
+  with vision input (None on decode, and None when no request carries frame-level visibility,
+  which means all frames visible). Pinned by ``tests/test_native_attention.py::``
+  ``test_stock_mask_builder_feeds_the_native_backend`` (stock builder -> this module -> dense
+  reference). Only a refactor that gates the builder on the backend again would need a hook.
+
 **No hook: MossVL decode in the Ascend native backend** (item 5)
 
 - *target*: ``AscendTorchNativeAttnBackend.run_sdpa_forward_decode``.
