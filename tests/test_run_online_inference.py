@@ -1,0 +1,503 @@
+"""realtime_inference: sources and pacing, the WebSocket protocol (a recording stand-in session, then the real
+tiny model), and the command line end to end.
+
+Oracles: frames decoded independently with PyAV; hand-computed schedules; for model text, the reference
+model's own ``offline_generate`` stream over the same frames, timestamps and prompt.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from argparse import Namespace
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from starlette.websockets import WebSocketDisconnect
+
+from moss_vl_reference.tiny_checkpoint import build_or_reuse
+from realtime_inference import run_online_inference as online
+from realtime_inference import video_sources
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = REPO_ROOT / "realtime_inference" / "run_online_inference.py"
+MEDIA = REPO_ROOT / "inference" / "examples" / "media"
+CLIP = MEDIA / "moving_dot.mp4"  # 16 frames at 4 fps (inference/examples/make_media.py)
+DATASET = REPO_ROOT / "realtime_inference" / "examples" / "dataset.jsonl"
+
+
+def png_bytes(color=(200, 30, 30), size=(32, 32), fmt="PNG") -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+# ------------------------------------------------------------------------------- sources and pacing
+
+
+def decode_all(path: Path) -> list[tuple[float, np.ndarray]]:
+    with av.open(str(path)) as container:
+        return [(float(f.time), np.asarray(f.to_image().convert("RGB"))) for f in container.decode(video=0)]
+
+
+@pytest.mark.parametrize(("fps", "max_frames", "times"), [(1.0, 0, [0, 1, 2, 3]), (2.0, 3, [0, 0.5, 1.0]), (4.0, 0, [i / 4 for i in range(16)])])
+def test_video_file_is_sampled_at_sample_fps(fps, max_frames, times):
+    decoded = dict(decode_all(CLIP))
+    events = list(video_sources.video_file_frames(CLIP, fps, max_frames))
+    assert [e.timestamp for e in events] == pytest.approx(times)
+    for event in events:
+        assert np.array_equal(np.asarray(event.image), decoded[event.timestamp]), "the frame shown at that time"
+
+
+def test_missing_and_broken_videos_fail_when_opened(tmp_path):
+    with pytest.raises(FileNotFoundError, match="video file not found"):
+        video_sources.video_file_frames(tmp_path / "nope.mp4", 1.0)
+    (tmp_path / "bad.mp4").write_bytes(b"not a video at all")
+    with pytest.raises(ValueError, match="cannot open video"):
+        video_sources.video_file_frames(tmp_path / "bad.mp4", 1.0)
+
+
+def test_camera_and_screen_say_what_is_missing(monkeypatch):
+    monkeypatch.delenv("DISPLAY", raising=False)
+    with pytest.raises(video_sources.SourceUnavailable, match="DISPLAY is not set"):
+        video_sources.screen_frames(1.0)
+    if not Path("/dev/video7").exists():
+        with pytest.raises(video_sources.SourceUnavailable, match="no camera at /dev/video7"):
+            video_sources.camera_frames(7, 1.0)
+
+
+def test_prompts_follow_frames_of_the_same_time():
+    frames = [video_sources.FrameEvent(t, Image.new("RGB", (4, 4))) for t in (0.0, 1.0, 2.0)]
+    prompts = [video_sources.PromptEvent(1.0, "at one"), video_sources.PromptEvent(0.5, "between")]
+    merged = video_sources.merge_by_time(frames, sorted(prompts, key=lambda p: p.timestamp))
+    assert [(type(e).__name__, e.timestamp) for e in merged] == [
+        ("FrameEvent", 0.0), ("PromptEvent", 0.5), ("FrameEvent", 1.0), ("PromptEvent", 1.0), ("FrameEvent", 2.0)
+    ]
+
+
+def test_pacing_releases_events_at_timestamp_over_speed():
+    now = [100.0]
+    slept = []
+
+    def sleep(seconds):
+        slept.append(round(seconds, 6))
+        now[0] += seconds
+
+    events = [video_sources.PromptEvent(t, "x") for t in (0.0, 0.5, 2.0)]
+    released = []
+    for event in video_sources.paced(events, 2.0, clock=lambda: now[0], sleep=sleep):
+        released.append(round(now[0] - 100.0, 6))
+    assert released == [0.0, 0.25, 1.0] and slept == [0.25, 0.75]
+    assert len(list(video_sources.paced(events, 0.0, clock=lambda: now[0], sleep=sleep))) == 3 and len(slept) == 2
+
+
+def test_dataset_entries_resolve_media_and_interleave_prompts():
+    entry = video_sources.load_dataset_entry(DATASET, 1)
+    events = list(video_sources.dataset_events(entry, 1.0))
+    assert [(type(e).__name__, e.timestamp) for e in events] == [("FrameEvent", 0.0), ("FrameEvent", 1.0), ("PromptEvent", 1.0)]
+    assert np.array_equal(np.asarray(events[1].image), np.asarray(Image.open(MEDIA / "stop_sign.png").convert("RGB")))
+    with pytest.raises(ValueError, match="out of range"):
+        video_sources.load_dataset_entry(DATASET, 5)
+
+
+# ---------------------------------------------------------------- protocol with a stand-in session
+
+
+class RecordingSession:
+    """Stand-in for the model's realtime session: records frames and prompts; each prompt answers with two
+    text pieces naming the prompt and the frame count; ``stop`` leaves two more pieces queued so that the
+    service must drain them before ``session_end``."""
+
+    def __init__(self, frame_queue_size, fail_on_poll=None, fail_turn_on=None):
+        self.frames, self.prompts, self.outputs = [], [], queue.Queue()
+        self.frame_queue_size, self.fail_on_poll, self.fail_turn_on = frame_queue_size, fail_on_poll, fail_turn_on
+        self.started = self.stopped = False
+        self.polls = 0
+
+    @property
+    def active(self):
+        return self.started and not self.stopped
+
+    def start(self):
+        self.started = True
+        return self
+
+    def push_frame(self, frame, timestamp, prompt=None, drop_oldest=True):
+        self.frames.append((timestamp, np.asarray(frame)))
+        window = min(len(self.frames), self.frame_queue_size)
+        if prompt:
+            self.prompt(prompt)
+        return {"dropped_oldest": len(self.frames) > self.frame_queue_size, "pending_frames": window}
+
+    def prompt(self, text):
+        self.prompts.append(text)
+        if text == self.fail_turn_on:
+            self.outputs.put("[ERROR] ValueError: this turn failed")
+            return
+        self.outputs.put(f"<{text}|")
+        self.outputs.put(f"{len(self.frames)} frames>")
+
+    def poll_output(self, timeout=0.1):
+        self.polls += 1
+        if self.fail_on_poll is not None and self.outputs.empty() and self.stopped:
+            raise RuntimeError(self.fail_on_poll)
+        try:
+            return self.outputs.get(timeout=min(timeout, 0.02))
+        except queue.Empty:
+            return None
+
+    def stop(self):
+        self.outputs.put("first queued piece")
+        self.outputs.put("final queued piece")
+        self.stopped = True
+
+
+class RecordingModel:
+    def __init__(self, **session_kwargs):
+        self.session_kwargs, self.sessions, self.created_with = session_kwargs, [], []
+
+    def create_realtime_session(self, processor, **kwargs):
+        self.created_with.append(kwargs)
+        self.sessions.append(RecordingSession(frame_queue_size=kwargs["frame_queue_size"], **self.session_kwargs))
+        return self.sessions[-1]
+
+
+def service_defaults(**overrides) -> Namespace:
+    values = dict(
+        prompt=None, system_prompt=None, frame_queue_size=2, max_new_tokens=16, do_sample=False, temperature=0.7,
+        top_k=20, top_p=0.8, repetition_penalty=1.0, max_frame_bytes=4096, sample_fps=2.0, playback_speed=0.0, max_frames=0,
+    )
+    return Namespace(**{**values, **overrides})
+
+
+def receive_until(ws, kind: str, limit: int = 200) -> list[dict]:
+    """Messages up to and including the first of type ``kind``."""
+    messages = []
+    for _ in range(limit):
+        messages.append(ws.receive_json())
+        if messages[-1]["type"] == kind:
+            return messages
+    raise AssertionError(f"no {kind!r} in {messages}")
+
+
+def of_type(messages, kind):
+    return [m for m in messages if m["type"] == kind]
+
+
+@pytest.fixture
+def service():
+    def make(model=None, **overrides):
+        model = model or RecordingModel()
+        app = online.create_service_app(model, processor=object(), defaults=service_defaults(**overrides), metadata={"checkpoint": "stand-in"})
+        return model, TestClient(app)
+
+    return make
+
+
+def test_session_streams_output_and_drains_before_session_end(service):
+    model, client = service()
+    with client, client.websocket_connect("/v1/realtime") as ws:
+        ws.send_json({"type": "start", "prompt": "hello", "system_prompt": "sys", "max_new_tokens": 7, "do_sample": True, "temperature": 0.5, "frame_queue_size": 2})
+        assert ws.receive_json() == {"type": "ready"}
+        ws.send_json({"type": "ping"})
+        assert receive_until(ws, "pong")[-1] == {"type": "pong"}
+        for t, color in ((0.0, (255, 0, 0)), (1.0, (0, 255, 0)), (2.0, (0, 0, 255))):
+            ws.send_json({"type": "frame", "timestamp": t})
+            ws.send_bytes(png_bytes(color))
+        acks = of_type(receive_until(ws, "frame_ack") + receive_until(ws, "frame_ack") + receive_until(ws, "frame_ack"), "frame_ack")
+        assert acks == [
+            {"type": "frame_ack", "timestamp": 0.0, "dropped_oldest": False, "pending_frames": 1},
+            {"type": "frame_ack", "timestamp": 1.0, "dropped_oldest": False, "pending_frames": 2},
+            {"type": "frame_ack", "timestamp": 2.0, "dropped_oldest": True, "pending_frames": 2},
+        ]
+        ws.send_json({"type": "frame", "timestamp": 3.0, "prompt": "with frame"})
+        ws.send_bytes(png_bytes(fmt="JPEG"))
+        ws.send_json({"type": "prompt", "text": "what now?"})
+        ws.send_json({"type": "stop"})
+        messages = receive_until(ws, "session_end")
+        with pytest.raises(WebSocketDisconnect) as closed:
+            ws.receive_json()
+        assert closed.value.code == 1000
+    session = model.sessions[0]
+    assert model.created_with == [
+        {"initial_prompt": "hello", "system_prompt": "sys", "frame_queue_size": 2, "max_tokens_per_turn": 7,
+         "do_sample": True, "temperature": 0.5, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.0}
+    ]
+    assert [t for t, _ in session.frames] == [0.0, 1.0, 2.0, 3.0]
+    assert session.frames[1][1][0, 0].tolist() == [0, 255, 0], "the PNG bytes reach the session decoded"
+    assert session.prompts == ["with frame", "what now?"]
+    outputs = [m["text"] for m in of_type(messages, "output")]
+    assert outputs == ["<with frame|", "4 frames>", "<what now?|", "4 frames>", "first queued piece", "final queued piece"]
+    assert messages[-1] == {"type": "session_end"} and of_type(messages, "stopping") == [{"type": "stopping"}]
+    assert messages.index({"type": "stopping"}) < messages.index({"type": "output", "text": "final queued piece"})
+    assert session.stopped
+
+
+BAD_MESSAGES = [
+    ({"type": "dance"}, None, "unknown message type 'dance'"),
+    ({"type": "prompt", "text": "   "}, None, "prompt text is empty"),
+    ({"type": "prompt"}, None, "prompt text is empty"),
+    ({"type": "frame", "timestamp": 1.0}, {"type": "ping"}, "not followed by binary image bytes"),
+    (None, png_bytes(), "without a preceding frame header"),
+    ({"type": "frame", "timestamp": 1.0}, b"\x89PNG\r\n\x1a\n garbage", "cannot decode frame image"),
+    ({"type": "frame", "timestamp": 1.0}, png_bytes(size=(400, 400)) + b"\0" * 5000, "exceeds the 4096-byte limit"),
+    ({"type": "frame", "timestamp": 1.0}, png_bytes(fmt="GIF"), "must be JPEG or PNG, got GIF"),
+    ({"type": "frame", "timestamp": -1}, None, "'timestamp' must be a number >= 0.0"),
+    ({"type": "frame"}, None, "'timestamp' must be a number"),
+    ({"type": "frame", "timestamp": 1.0, "prompt": ""}, None, "prompt must be a non-empty string"),
+    ({"type": "video", "path": "/nonexistent/clip.mp4"}, None, "video file not found"),
+    ("{not json", None, "message is not JSON"),
+    (["a", "list"], None, "JSON object with a string 'type'"),
+    ({"type": "start"}, None, "already started"),
+]
+
+
+@pytest.mark.parametrize(("first", "second", "error"), BAD_MESSAGES)
+def test_bad_messages_get_an_error_and_the_session_survives(service, first, second, error):
+    model, client = service()
+    with client, client.websocket_connect("/v1/realtime") as ws:
+        ws.send_json({"type": "start"})
+        assert ws.receive_json() == {"type": "ready"}
+        for message in (first, second):
+            if isinstance(message, bytes):
+                ws.send_bytes(message)
+            elif isinstance(message, str):
+                ws.send_text(message)
+            elif message is not None:
+                ws.send_json(message)
+        errors = of_type(receive_until(ws, "error"), "error")
+        assert error in errors[0]["message"], errors
+        # still alive: a good frame and a prompt work, and the session ends normally
+        ws.send_json({"type": "frame", "timestamp": 5.0})
+        ws.send_bytes(png_bytes())
+        assert receive_until(ws, "frame_ack")[-1]["timestamp"] == 5.0
+        ws.send_json({"type": "prompt", "text": "still there?"})
+        ws.send_json({"type": "stop"})
+        outputs = [m["text"] for m in of_type(receive_until(ws, "session_end"), "output")]
+    assert "<still there?|" in outputs and model.sessions[0].prompts[-1] == "still there?"
+    assert not any(error in str(p) for p in model.sessions[0].prompts)
+
+
+def test_messages_before_start_are_refused_without_a_session(service):
+    model, client = service()
+    with client, client.websocket_connect("/v1/realtime") as ws:
+        ws.send_json({"type": "prompt", "text": "hi"})
+        assert ws.receive_json() == {"type": "error", "message": "send 'start' before 'prompt'"}
+        ws.send_json({"type": "start", "max_new_tokens": 0})
+        assert "'max_new_tokens' must be a number >= 1" in ws.receive_json()["message"]
+        ws.send_json({"type": "start"})
+        assert ws.receive_json() == {"type": "ready"}
+    assert len(model.sessions) == 1
+
+
+def test_a_failed_turn_is_an_error_message_and_the_session_goes_on(service):
+    model, client = service(RecordingModel(fail_turn_on="break"))
+    with client, client.websocket_connect("/v1/realtime") as ws:
+        ws.send_json({"type": "start"})
+        ws.send_json({"type": "prompt", "text": "break"})
+        ws.send_json({"type": "prompt", "text": "fine"})
+        ws.send_json({"type": "stop"})
+        messages = receive_until(ws, "session_end")
+    assert of_type(messages, "error") == [{"type": "error", "message": "ValueError: this turn failed"}]
+    assert [m["text"] for m in of_type(messages, "output")][:2] == ["<fine|", "0 frames>"]
+
+
+def test_session_failure_is_reported_after_every_earlier_output(service):
+    model, client = service(RecordingModel(fail_on_poll="inference failed"))
+    with client, client.websocket_connect("/v1/realtime") as ws:
+        ws.send_json({"type": "start"})
+        ws.send_json({"type": "prompt", "text": "q"})
+        ws.send_json({"type": "stop"})
+        messages = receive_until(ws, "error")
+    tail = [m for m in messages if m["type"] in ("output", "error", "session_end")]
+    assert tail == [
+        {"type": "output", "text": "<q|"}, {"type": "output", "text": "0 frames>"},
+        {"type": "output", "text": "first queued piece"}, {"type": "output", "text": "final queued piece"},
+        {"type": "error", "message": "inference failed"},
+    ]
+
+
+def test_second_client_is_refused_with_1013_while_a_session_is_active(service):
+    model, client = service()
+    with client:
+        with client.websocket_connect("/v1/realtime") as first:
+            first.send_json({"type": "start"})
+            assert first.receive_json() == {"type": "ready"}
+            assert client.get("/health").json() == {"status": "ok", "busy": True, "checkpoint": "stand-in"}
+            with client.websocket_connect("/v1/realtime") as second:
+                with pytest.raises(WebSocketDisconnect) as refused:
+                    second.receive_json()
+            assert refused.value.code == 1013
+            first.send_json({"type": "ping"})
+            assert receive_until(first, "pong")[-1] == {"type": "pong"}, "the first session is untouched"
+        assert client.get("/health").json()["busy"] is False
+        with client.websocket_connect("/v1/realtime") as third:  # free again after the first client left
+            third.send_json({"type": "start"})
+            assert third.receive_json() == {"type": "ready"}
+    assert model.sessions[0].stopped, "a client that leaves without 'stop' still releases its session"
+
+
+def test_server_side_video_is_streamed_into_the_session(service):
+    model, client = service(frame_queue_size=64)
+    with client, client.websocket_connect("/v1/realtime") as ws:
+        ws.send_json({"type": "start"})
+        ws.send_json({"type": "frame", "timestamp": 10.0})
+        ws.send_bytes(png_bytes())
+        receive_until(ws, "frame_ack")
+        ws.send_json({"type": "video", "path": str(CLIP), "sample_fps": 2.0, "max_frames": 5})
+        messages = receive_until(ws, "video_end")
+        ws.send_json({"type": "stop_video"})
+        messages += receive_until(ws, "stop_video_ack")
+        ws.send_json({"type": "stop"})
+        receive_until(ws, "session_end")
+    assert of_type(messages, "video_started") == [{"type": "video_started", "path": str(CLIP)}]
+    assert of_type(messages, "video_end") == [{"type": "video_end", "frames_sent": 5, "frames_dropped": 0}]
+    session = model.sessions[0]
+    # the video continues the stream's clock after the client's frame at 10 s
+    assert [t for t, _ in session.frames] == pytest.approx([10.0, 10.5, 11.0, 11.5, 12.0, 12.5])
+    decoded = dict(decode_all(CLIP))
+    assert np.array_equal(session.frames[3][1], decoded[1.0])
+
+
+def test_stop_video_interrupts_a_paced_video(service):
+    model, client = service(frame_queue_size=64)
+    with client, client.websocket_connect("/v1/realtime") as ws:
+        ws.send_json({"type": "start"})
+        ws.send_json({"type": "video", "path": str(CLIP), "sample_fps": 4.0, "playback_speed": 0.5})  # 16 frames over 8 s
+        receive_until(ws, "video_started")
+        ws.send_json({"type": "frame", "timestamp": 1.0})
+        assert "stop_video" in of_type(receive_until(ws, "error"), "error")[0]["message"]
+        ws.send_json({"type": "stop_video"})
+        messages = receive_until(ws, "stop_video_ack")
+        ws.send_json({"type": "stop"})
+        receive_until(ws, "session_end")
+    (end,) = of_type(messages, "video_end")
+    assert end["frames_sent"] < 16, "stop_video ended the 8-second video early"
+    assert len(model.sessions[0].frames) == end["frames_sent"]
+
+
+def test_next_session_output_catches_a_piece_put_as_the_session_ends():
+    class LateSession:
+        """Stand-in: the worker puts its last piece and exits between the poll and the ``active`` check."""
+
+        def __init__(self):
+            self.items, self.active = queue.Queue(), True
+
+        def poll_output(self, timeout):
+            if self.active:
+                self.items.put("late piece")
+                self.active = False
+                return None
+            try:
+                return self.items.get_nowait()
+            except queue.Empty:
+                return None
+
+    session = LateSession()
+    assert online.next_session_output(session, 0.1) == "late piece"
+    assert online.next_session_output(session, 0.1) is online.SESSION_ENDED
+
+
+# --------------------------------------------------------------------------- the real tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    checkpoint = build_or_reuse()
+    args = online.parse_args(["--checkpoint", str(checkpoint), "--device-map", "cpu", "--dtype", "float32"])
+    model, processor, metadata = online.load_model(args)
+    return checkpoint, model, processor, metadata
+
+
+def streamed_answer(model, processor, frames, timestamps, prompt, max_new_tokens, system_prompt=None) -> str:
+    """Oracle: the model's offline_generate stream for one question over the frames as one video."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    video = {"frames": frames, "timestamps": timestamps}
+    messages.append({"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": prompt}]})
+    in_queue, out_queue = queue.Queue(), queue.Queue()
+    worker = threading.Thread(target=model.offline_generate, args=(processor, in_queue, out_queue), daemon=True)
+    worker.start()
+    in_queue.put({"messages": messages, "generate_kwargs": {"max_new_tokens": max_new_tokens, "do_sample": False}})
+    in_queue.put({"stop_offline_generate": True})
+    worker.join(timeout=120)
+    items = [out_queue.get() for _ in range(out_queue.qsize())]
+    assert items[0] == "<|round_start|>" and items[-1] == "<|round_end|>", items
+    assert not any(i.startswith("[ERROR]") for i in items), items
+    return "".join(items[1:-1])
+
+
+def test_real_model_session_answers_over_websocket(tiny_model):
+    checkpoint, model, processor, metadata = tiny_model
+    app = online.create_service_app(model, processor, service_defaults(max_frame_bytes=1 << 20, frame_queue_size=64), metadata)
+    colors = [(250, 20, 20), (20, 250, 20), (20, 20, 250)]
+    with TestClient(app) as client:
+        health = client.get("/health").json()
+        assert (health["status"], health["device"], health["attention_implementation"]) == ("ok", "cpu", "sdpa")
+        with client.websocket_connect("/v1/realtime") as ws:
+            ws.send_json({"type": "start", "max_new_tokens": 10, "do_sample": False})
+            assert ws.receive_json() == {"type": "ready"}
+            for t, color in enumerate(colors):
+                ws.send_json({"type": "frame", "timestamp": float(t)})
+                ws.send_bytes(png_bytes(color, size=(64, 64)))
+            ws.send_json({"type": "prompt", "text": "Which colours appear?"})
+            ws.send_json({"type": "stop"})
+            messages = receive_until(ws, "session_end")
+    assert not of_type(messages, "error"), messages
+    outputs = of_type(messages, "output")
+    assert outputs and messages.index(outputs[-1]) < len(messages) - 1
+    frames = [Image.open(io.BytesIO(png_bytes(c, size=(64, 64)))).convert("RGB") for c in colors]
+    expected = streamed_answer(model, processor, frames, [0.0, 1.0, 2.0], "Which colours appear?", 10)
+    assert expected and "".join(m["text"] for m in outputs) == expected
+
+
+def test_cli_streams_a_dataset_entry_and_prints_the_answer(tiny_model):
+    checkpoint, model, processor, _ = tiny_model
+    command = [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoint), "--dataset", str(DATASET), "--dataset-index", "1",
+               "--playback-speed", "0", "--max-new-tokens", "8", "--device-map", "cpu", "--dtype", "float32"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "attention implementation: sdpa" in completed.stderr and "fed 2 frames and 1 prompts" in completed.stderr
+    header = "[t=   1.00s] > What changed between the two frames?\n"
+    assert header in completed.stdout
+    printed = completed.stdout.split(header, 1)[1].removesuffix("\n")
+    frames = [Image.open(MEDIA / name).convert("RGB") for name in ("shapes.png", "stop_sign.png")]
+    entry = json.loads(DATASET.read_text().splitlines()[1])
+    assert entry.get("system_prompt") is None
+    assert printed and printed == streamed_answer(model, processor, frames, [0.0, 1.0], "What changed between the two frames?", 8)
+
+
+def test_cli_reports_a_missing_camera_clearly():
+    if Path("/dev/video0").exists():
+        pytest.skip("this machine has a camera")
+    completed = subprocess.run([sys.executable, str(SCRIPT), "--source", "camera", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2 and "no camera at /dev/video0" in completed.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--source", "video", "--dry-run"], "--source video needs --video"),
+        (["--sample-fps", "0", "--dry-run"], "--sample-fps must be positive"),
+        (["--playback-speed", "-1", "--dry-run"], "--playback-speed must be >= 0"),
+        ([], "--checkpoint is required"),
+        (["--prompt-at", "soon=hello", "--dry-run"], "expected SECONDS=TEXT"),
+        (["--serve", "--dry-run"], "exclude each other"),
+    ],
+)
+def test_cli_rejects_bad_arguments(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        online.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_cli_parses_timed_prompts():
+    assert online.parse_args(["--prompt-at", "2.5=hi=there", "--dry-run"]).prompt_at == [video_sources.PromptEvent(2.5, "hi=there")]
