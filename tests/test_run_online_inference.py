@@ -7,13 +7,17 @@ model's own ``offline_generate`` stream over the same frames, timestamps and pro
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from argparse import Namespace
 from pathlib import Path
 
@@ -501,3 +505,70 @@ def test_cli_rejects_bad_arguments(capsys, argv, message):
 
 def test_cli_parses_timed_prompts():
     assert online.parse_args(["--prompt-at", "2.5=hi=there", "--dry-run"]).prompt_at == [video_sources.PromptEvent(2.5, "hi=there")]
+
+
+# ------------------------------------------------------------------- the service over real uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_health(port: int, process: subprocess.Popen, deadline_s: float = 180.0) -> dict:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"server exited with {process.returncode}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                return json.loads(response.read())
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("the service did not answer /health in time")
+
+
+def test_serve_on_loopback_with_uvicorn(tmp_path):
+    """uvicorn needs a WebSocket library (websockets or wsproto). Without one, --serve must say so before loading
+    anything; with one, a real client on 127.0.0.1 gets answers and a second client gets close code 1013."""
+    checkpoint = build_or_reuse()
+    port = free_port()
+    command = [sys.executable, str(SCRIPT), "--serve", "--checkpoint", str(checkpoint), "--port", str(port),
+               "--device-map", "cpu", "--dtype", "float32", "--log-level", "WARNING"]
+    if not any(importlib.util.find_spec(name) for name in ("websockets", "wsproto")):
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert completed.returncode != 0 and "pip install websockets" in completed.stderr
+        return
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    log = (tmp_path / "server.log").open("w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        health = wait_for_health(port, process)
+        assert (health["status"], health["busy"], health["attention_implementation"]) == ("ok", False, "sdpa")
+        with connect(f"ws://127.0.0.1:{port}/v1/realtime") as ws:
+            ws.send(json.dumps({"type": "start", "max_new_tokens": 6}))
+            assert json.loads(ws.recv(timeout=30)) == {"type": "ready"}
+            with connect(f"ws://127.0.0.1:{port}/v1/realtime") as second:
+                with pytest.raises(ConnectionClosed) as refused:
+                    second.recv(timeout=30)
+            assert refused.value.rcvd.code == 1013
+            ws.send(json.dumps({"type": "frame", "timestamp": 0.0}))
+            ws.send(png_bytes(size=(64, 64)))
+            ws.send(json.dumps({"type": "prompt", "text": "What colour is it?"}))
+            ws.send(json.dumps({"type": "stop"}))
+            messages = []
+            while not messages or messages[-1]["type"] != "session_end":
+                messages.append(json.loads(ws.recv(timeout=120)))
+        kinds = [m["type"] for m in messages]
+        assert "frame_ack" in kinds and "prompt_ack" in kinds and "error" not in kinds, messages
+        assert kinds.index("output") < kinds.index("session_end"), messages
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
