@@ -1,12 +1,14 @@
 """A prefix-cache match never ends inside a request's encoder (vision) span.
 
 Real sglang objects: ``RadixCache`` (page size 1 and 128), ``Req`` with ``MultimodalInputs``,
-``Req.init_next_round_input`` and ``SchedulePolicy``'s imported ``match_kv_cache``. The oracle is
-the invariant ``ScheduleBatch.prepare_encoder_info_extend`` asserts: a request's cached prefix
-is either 0 or at least its encoder length. Control cases run the unhooked stock function
+``Req.init_next_round_input`` and the ``match_kv_cache`` copies imported by ``SchedulePolicy``
+and the disaggregation decode worker. The oracle is the invariant
+``ScheduleBatch.prepare_encoder_info_extend`` asserts: a request's cached prefix is either 0
+or at least its encoder length. Control cases run the unhooked stock function
 (``inspect.unwrap`` of the hooked function) on the same inputs to show the scenario is real.
 """
 
+import importlib
 import inspect
 from array import array
 
@@ -85,13 +87,18 @@ def test_partial_encoder_match_is_dropped(page_size):
     assert req.kv.cache_protected_len == 0
 
 
-@pytest.mark.parametrize("page_size", sorted(PARTIAL_CASES))
-def test_schedule_policy_binding_drops_partial_encoder_match(page_size):
-    from sglang.srt.managers import schedule_policy
+# Modules that call their own ``from ... import match_kv_cache`` copy: the cache-aware
+# scheduling policy and the PD-disaggregation decode worker (``_match_prefix_and_lock``).
+IMPORTING_MODULES = ["sglang.srt.managers.schedule_policy", "sglang.srt.disaggregation.decode"]
 
+
+@pytest.mark.parametrize("module_name", IMPORTING_MODULES)
+@pytest.mark.parametrize("page_size", sorted(PARTIAL_CASES))
+def test_imported_bindings_drop_partial_encoder_match(module_name, page_size):
+    module = importlib.import_module(module_name)
     cached, new = PARTIAL_CASES[page_size]
-    req = make_req("policy", new, ENCODER_LEN)
-    schedule_policy.match_kv_cache(req, cache_holding(page_size, cached))
+    req = make_req("binding", new, ENCODER_LEN)
+    module.match_kv_cache(req, cache_holding(page_size, cached))
     assert req.prefix_len == 0
 
 
