@@ -210,6 +210,10 @@ def build_or_reuse(preset_name: str = "tiny", out: Path | None = None, seed: int
     try:
         write_checkpoint(staging, preset_name, seed)
         (staging / STAMP).write_text(json.dumps({"fingerprint": fingerprint, "preset": preset_name, "seed": seed}) + "\n")
+        # mkdtemp and the safetensors writer create owner-only modes; a checkpoint is shared read-only data
+        staging.chmod(0o755)
+        for path in staging.iterdir():
+            path.chmod(0o644)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)

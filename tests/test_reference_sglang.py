@@ -206,3 +206,52 @@ def test_chat_template_renders_like_sglang_moss_vl_conversation(processor):
     text_only = [{"role": "user", "content": "hello"}]
     stock = generate_chat_conv(ChatCompletionRequest(model="m", messages=text_only), "moss-vl").get_prompt()
     assert processor.apply_chat_template(text_only, add_generation_prompt=True) == stock
+
+
+STOCK_PIPELINE_SCRIPT = """
+import asyncio, json, sys
+from types import SimpleNamespace
+from PIL import Image
+from transformers import AutoConfig
+from sglang.srt.multimodal.processors.moss_vl import MossVLImageProcessor
+from sglang.srt.multimodal.transport import determine_tensor_transport_mode
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_tokenizer
+from sglang.srt.utils.hf_transformers.processor import get_processor
+
+checkpoint, image, video, text = sys.argv[1:5]
+# prefill backend named only to pass stock server-args validation; no attention runs here
+args = ServerArgs(model_path=checkpoint, trust_remote_code=True, device="cpu", prefill_attention_backend="flashinfer")
+set_global_server_args_for_tokenizer(args)
+stock = MossVLImageProcessor(AutoConfig.from_pretrained(checkpoint, trust_remote_code=True), args,
+                             get_processor(checkpoint, trust_remote_code=True), determine_tensor_transport_mode())
+out = asyncio.run(stock.process_mm_data_async([Image.open(image).convert("RGB")], text, SimpleNamespace(video_data=[video])))
+print(json.dumps({"input_ids": out.input_ids, "grid_thw": out.mm_items[0].grid_thw.tolist(),
+                  "mrope": out.mrope_positions.tolist(), "vision": out.vision_position_ids.tolist(),
+                  "counts": out.visible_frame_counts.tolist()}))
+"""
+
+
+def test_stock_multimodal_processor_runs_our_processor_end_to_end(checkpoint, processor, ours):
+    """The tokenizer-process path of a real server: sglang loads our processor with get_processor
+    and calls it from process_mm_data_async on an image plus a video file. A subprocess keeps the
+    published global server args out of this test session."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    image, video = str(ASSETS / "square_64.png"), str(ASSETS / "moving_square_3s.mp4")
+    text = "<|im_start|>user\n<|image|>What moves in<|video|>?<|im_end|>\n<|im_start|>assistant\n"
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo / "cpu_shim"), str(repo), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", STOCK_PIPELINE_SCRIPT, str(checkpoint), image, video, text], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stock = json.loads(result.stdout.strip().splitlines()[-1])
+    mine = processor(text=text, images=[image], videos=[video])
+    assert stock["input_ids"] == mine["input_ids"][0].tolist()
+    assert stock["grid_thw"] == mine["grid_thw"].tolist() == [[1, 4, 4], [3, 4, 4]]
+    grids = [(h // 2, w // 2) for t, h, w in mine["grid_thw"].tolist() for _ in range(t)]
+    positions = compute_xrope_positions(mine["input_ids"], mine["attention_mask"], [grids], ours.config.image_token_id)
+    assert stock["mrope"] == positions.text[:, 0].tolist()
+    assert stock["vision"] == positions.vision[:, 0].tolist()
+    assert stock["counts"] == (~mine["cross_attention_mask"][0, 0]).sum(-1).tolist()
