@@ -309,11 +309,6 @@ class MossVLProjections(nn.Module):
         b, _, n, _ = attended.shape
         return self.o_proj(attended.transpose(1, 2).reshape(b, n, -1))
 
-    @property
-    def implementation(self) -> str:
-        return getattr(self.config, "cross_attention_implementation", None) or self.config._attn_implementation or "sdpa"
-
-
 class MossVLSelfAttention(MossVLProjections):
     @property
     def implementation(self) -> str:
@@ -330,6 +325,11 @@ class MossVLSelfAttention(MossVLProjections):
 
 
 class MossVLCrossAttention(MossVLProjections):
+    @property
+    def implementation(self) -> str:
+        """`cross_attention_implementation` (a from_pretrained kwarg) overrides the model-wide choice."""
+        return getattr(self.config, "cross_attention_implementation", None) or self.config._attn_implementation or "sdpa"
+
     def forward(self, hidden, positions, key_value, bias):
         return self.output(attend(self.query(hidden, positions), *key_value, bias, self.implementation))
 
@@ -536,7 +536,7 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
         grids = grid_thw.tolist()
         sequences, frame_ids, frame_grids, index = [], [], [], 0
         for count in counts:
-            parts, ids, sample_grids, frame = [], [], [], 0
+            ids, sample_grids, frame = [], [], 0
             for t, h, w in grids[index : index + count]:
                 per_frame = h * w // merge**2 + 1
                 ids.append(torch.arange(frame, frame + t).repeat_interleave(per_frame))
@@ -711,9 +711,11 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
         return self(sequences, attention_mask, pixel_values, grid_thw, media_nums_per_sample, mask, position_ids=positions).logits[:, -1]
 
     def stop_token_ids(self, eos_token_id) -> set:
+        """Explicit ids, else the config's eos plus generation_config's (as sglang's stop set)."""
         if eos_token_id is None:
-            eos_token_id = self.config.text_config.eos_token_id
-        return set(eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]) - {None}
+            generation = getattr(self, "generation_config", None)
+            eos_token_id = [self.config.text_config.eos_token_id, *_as_list(getattr(generation, "eos_token_id", None))]
+        return set(_as_list(eos_token_id)) - {None}
 
     @staticmethod
     def adjust_logits(logits, sequences, repetition_penalty: float):
@@ -835,6 +837,12 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
         finally:
             session.stop()
             forwarder.join(timeout=30)
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple, set)) else [value]
 
 
 def query_messages(query: dict) -> list:

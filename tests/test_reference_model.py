@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoProcessor
 
+from moss_vl_reference.modeling_moss_vl import additive_bias
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
 
 ASSETS = Path(__file__).parent / "assets"
@@ -95,8 +96,6 @@ def test_cross_attention_layer_equals_dense_per_row_reference(model, processor):
     frame_of_key, visible = state["key_frame"][0], state["visible"][0]
     hidden = torch.randn(1, inputs["input_ids"].shape[1], config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        from moss_vl_reference.modeling_moss_vl import additive_bias
-
         sees = (frame_of_key[None, :] < visible[:, None])[None, None]
         got = layer(hidden, positions=state["positions"], cross_kv=(k, v), cross_bias=additive_bias(sees, hidden.dtype), row_sees_vision=(visible > 0)[None, :, None].float())
         q = layer.cross_attn.query(layer.input_layernorm(hidden), state["positions"])[0]
