@@ -351,6 +351,7 @@ def _route_encoder_batches_extend(
             logit_cap=logit_cap,
             logit_capping_method=logit_capping_method,
         )
+    # sliding_window_size is not used: stock applies no window to encoder batches either.
     return encoder_decoder_extend(
         query,
         output,
