@@ -16,7 +16,8 @@ Catalog
   :func:`mossvl_ascend.native_attention.encoder_decoder_attention` with one stateless
   ``AscendTorchNativeAttnBackend`` instance (``ASCEND_NATIVE_MATH``): the same KV write, mask slicing and per-request
   math the Ascend backend hook runs. Only the KV pool differs (the CPU pool's
-  ``set_kv_buffer`` versus the NPU pool's). Every other batch goes to the stock method.
+  ``set_kv_buffer`` versus the NPU pool's). Every other batch, and torch_native on any device
+  but the CPU (CUDA keeps stock behaviour), goes to the stock method.
 - *upstream status / when to remove*: a test-harness route, not an upstream bug. Keep while
   CPU tests stand in for the NPU; it can go once NPU CI exercises the Ascend backend directly.
 """
@@ -38,7 +39,7 @@ def _through_ascend_native(
     original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs
 ):
     """AROUND hook shared by forward_extend and forward_decode (the batch's mode picks the math)."""
-    if forward_batch.encoder_lens is None:
+    if forward_batch.encoder_lens is None or str(backend.device) != "cpu":
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     return encoder_decoder_attention(
         ASCEND_NATIVE_MATH,
