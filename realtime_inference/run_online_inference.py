@@ -48,6 +48,7 @@ if str(REPO_ROOT) not in sys.path:
 from fastapi import FastAPI, WebSocket  # noqa: E402
 from PIL import Image, UnidentifiedImageError  # noqa: E402
 
+import device_utils  # noqa: E402
 from realtime_inference import video_sources  # noqa: E402
 from realtime_inference.video_sources import FrameEvent, PromptEvent  # noqa: E402
 
@@ -116,9 +117,8 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, dict]:
     from inference.run_inference import load_model as load_reference_model  # torch/transformers: only when needed
 
     model, processor, metadata = load_reference_model(args.checkpoint, args.device_map, args.dtype, args.attention_backend)
-    for api in ("create_realtime_session", "online_generate"):
-        if not callable(getattr(model, api, None)):
-            raise RuntimeError(f"{args.checkpoint} has no realtime API ({api} is missing); use a MOSS-VL realtime checkpoint")
+    if not callable(getattr(model, "create_realtime_session", None)):
+        raise RuntimeError(f"{args.checkpoint} has no realtime API (create_realtime_session); use a MOSS-VL realtime checkpoint")
     return model, processor, metadata
 
 
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: bfloat16 on NPU/CUDA, float32 on CPU",
     )
     model.add_argument(
-        "--attention-backend", choices=("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3"), default="auto",
+        "--attention-backend", choices=("auto",) + device_utils.ATTN_IMPLEMENTATIONS, default="auto",
         help="transformers attn_implementation (default auto: eager on NPU, flash_attention_2 on CUDA, sdpa on CPU)",
     )
 

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -224,6 +225,39 @@ def test_missing_accelerator_is_an_error_not_a_fallback(simulated_device):
     simulated_device("cpu")
     with pytest.raises(SystemExit, match="device 'npu' requested, but this machine offers cpu"):
         run_inference.load_model("ckpt", device="npu")
+
+
+class ScriptedStreamModel:
+    """Stand-in model speaking the offline_generate protocol: answers after ``delays[prompt]`` seconds with
+    the prompt reversed, in two pieces; a prompt in ``fails`` gets an "[ERROR] " item instead."""
+
+    def __init__(self, delays=None, fails=()):
+        self.delays, self.fails = delays or {}, fails
+
+    def offline_generate(self, processor, in_queue, out_queue):
+        while not (query := in_queue.get()).get("stop_offline_generate"):
+            prompt = query["messages"][-1]["content"][-1]["text"]
+            time.sleep(self.delays.get(prompt, 0.0))
+            out_queue.put(run_inference.ROUND_START)
+            if prompt in self.fails:
+                out_queue.put(f"{run_inference.ERROR_PREFIX}ValueError: cannot answer {prompt}")
+            else:
+                answer = prompt[::-1]
+                out_queue.put(answer[:2])
+                out_queue.put(answer[2:])
+            out_queue.put(run_inference.ROUND_END)
+
+
+def test_a_query_past_its_deadline_fails_alone_and_its_late_text_goes_nowhere(tmp_path):
+    # "slow one" answers 0.3 s into "fast one", which answers 0.6 s after it starts: a shared output queue would
+    # hand the late answer to "fast one".
+    model = ScriptedStreamModel(delays={"slow one": 1.3, "fast one": 0.6}, fails=("refused",))
+    raw = [{"prompt": "slow one"}, {"prompt": "fast one"}, {"prompt": "refused"}, {"prompt": "last"}]
+    results = run_inference.run_queries(model, None, raw, tmp_path, timeout_seconds=1.0)
+    assert results[0]["error"] == "TimeoutError: no answer within 1 s" and "text" not in results[0]
+    assert [r.get("text") for r in results[1:]] == ["eno tsaf", None, "tsal"]
+    assert results[2]["error"] == "ValueError: cannot answer refused"
+    assert [r["index"] for r in results] == [0, 1, 2, 3]
 
 
 # ----------------------------------------------------------------- end to end with the tiny model
