@@ -57,7 +57,6 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 logger = logging.getLogger(__name__)
 
-MOSS_VL_ARCH = "MossVLForConditionalGeneration"
 RADIX_OPT_IN_ENV = "MOSSVL_NPU_ENABLE_RADIX_CACHE"
 FORBIDDEN_ASCEND_ENVS = ("ASCEND_USE_FIA", "ASCEND_USE_FA")
 
