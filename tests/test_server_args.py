@@ -149,7 +149,9 @@ def test_npu_radix_cache_opt_in(model_dir, npu_memory_stand_in, plugin_log, monk
 
 
 @pytest.mark.parametrize("name,value", [("ASCEND_USE_FIA", "1"), ("ASCEND_USE_FA", "true")])
-def test_npu_refuses_fused_ascend_extend_env(model_dir, npu_memory_stand_in, monkeypatch, name, value):
+def test_npu_refuses_fused_ascend_extend_env(
+    model_dir, npu_memory_stand_in, monkeypatch, name, value
+):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         resolve(model_dir, "--device", "npu")
