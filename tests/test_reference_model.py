@@ -121,7 +121,13 @@ def test_cross_attention_layer_equals_dense_per_row_reference(model, processor):
 def test_eager_equals_sdpa(model, eager_model, processor):
     text = chat(processor, [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "video"}, {"type": "text", "text": "compare them"}])
     inputs = processor(text=text, images=[str(ASSETS / "gradient_96x64.png")], videos=[str(ASSETS / "moving_square_3s.mp4")])
-    assert model.config._attn_implementation == "sdpa" and eager_model.config._attn_implementation == "eager"
+    for candidate, implementation in ((model, "sdpa"), (eager_model, "eager")):
+        layers = candidate.model.language_model.layers
+        cross = candidate.config.text_config.cross_attention_layers
+        self_index = next(i for i in range(len(layers)) if i not in cross)
+        assert layers[self_index].self_attn.implementation == implementation
+        assert layers[cross[0]].cross_attn.implementation == implementation
+        assert candidate.model.visual.config._attn_implementation == implementation
     torch.testing.assert_close(logits_of(eager_model, inputs), logits_of(model, inputs), rtol=1e-5, atol=1e-5)
 
 

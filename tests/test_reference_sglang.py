@@ -50,7 +50,6 @@ def sglang_model(checkpoint):
     unloaded parameter stays visible; returns (model, names of tensors the loader skipped)."""
     from sglang.test.layer_ut_utils import init_single_process_dist
 
-    torch._dynamo.config.disable = True  # sglang's vision rotary is torch.compile'd; eager is the same math
     init_single_process_dist(master_port=_free_port())
     from sglang.srt.models.moss_vl import MossVLForConditionalGeneration
 
@@ -75,7 +74,11 @@ def sglang_model(checkpoint):
     finally:
         loader_logger.removeHandler(handler)
         loader_logger.setLevel(previous)
-    return model, skipped
+    # sglang's vision rotary is torch.compile'd; compiling on CPU takes long and eager is the same math
+    dynamo_was_disabled = torch._dynamo.config.disable
+    torch._dynamo.config.disable = True
+    yield model, skipped
+    torch._dynamo.config.disable = dynamo_was_disabled
 
 
 @pytest.fixture(scope="module")
