@@ -32,7 +32,6 @@ from fake_torch_npu import installed_fake_torch_npu
 from mossvl_ascend import ascend_backend as ascend_hooks
 from mossvl_ascend import native_attention
 from test_native_attention import (
-    CROSS_LAYER_ID,
     ROUTE_HEADS,
     SCALE,
     build_batch,
@@ -41,6 +40,7 @@ from test_native_attention import (
     check_extend_cross_with_cached_encoders_writes_nothing,
     check_extend_cross_writes_new_encoder_and_applies_mask,
     check_extend_self_with_cached_prefix,
+    cross_extend_of_one_request,
     example_requests,
     hooks_applied,
     load_batch_into_pools,
@@ -170,16 +170,8 @@ def test_stock_extend_drops_the_frame_mask(npu_modules):
     ascend_module, memory_pool_npu = npu_modules
     pool, req_to_token_pool = make_npu_pool(memory_pool_npu), make_req_to_token_pool()
     backend = make_ascend_backend(ascend_module, pool, req_to_token_pool)
-    batch = build_batch([example_requests()[0]], *ROUTE_HEADS)
-    load_batch_into_pools(batch, pool, req_to_token_pool)
-    forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
-        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
-    )
-    cross, _ = make_layers()
-    out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch)
-    expected = reference_cross_extend(batch, SCALE)
-    assert not torch.allclose(out.view_as(expected), expected, atol=1e-3)
+    out, batch = cross_extend_of_one_request(backend, pool, req_to_token_pool)
+    assert not torch.allclose(out, reference_cross_extend(batch, SCALE), atol=1e-3)
 
 
 # ----------------------------------------------------------------------------- plugin loading

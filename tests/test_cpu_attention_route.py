@@ -30,7 +30,7 @@ from test_native_attention import (
     check_extend_cross_with_cached_encoders_writes_nothing,
     check_extend_cross_writes_new_encoder_and_applies_mask,
     check_extend_self_with_cached_prefix,
-    example_requests,
+    cross_extend_of_one_request,
     hooks_applied,
     load_batch_into_pools,
     make_forward_batch,
@@ -116,31 +116,16 @@ def test_text_only_batches_keep_the_stock_torch_native_path(route):
 
 def test_stock_torch_native_drops_the_frame_mask():
     """Why the route exists: unhooked torch_native gives every token every frame."""
-    backend, pool, req_to_token_pool = make_cpu_route()
-    batch = build_batch([example_requests()[0]], *ROUTE_HEADS)
-    load_batch_into_pools(batch, pool, req_to_token_pool)
-    forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
-        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
-    )
-    cross, _ = make_layers()
-    out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch)
-    expected = reference_cross_extend(batch, SCALE)
-    assert not torch.allclose(out.view_as(expected), expected, atol=1e-3)
+    out, batch = cross_extend_of_one_request(*make_cpu_route())
+    assert not torch.allclose(out, reference_cross_extend(batch, SCALE), atol=1e-3)
 
 
 def test_torch_native_on_other_devices_keeps_stock_behaviour(route):
     """The route is CPU-only: a torch_native backend on another device runs stock (no mask)."""
     backend, pool, req_to_token_pool = route
     backend.device = "cuda"  # only the routing decision reads it; tensors stay on the CPU
-    batch = build_batch([example_requests()[0]], *ROUTE_HEADS)
-    load_batch_into_pools(batch, pool, req_to_token_pool)
-    forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
-        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
-    )
-    cross, _ = make_layers()
-    out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch)
-    all_frames = torch.ones(batch.requests[0].extend_len, batch.requests[0].encoder_len, dtype=torch.bool)
+    out, batch = cross_extend_of_one_request(backend, pool, req_to_token_pool)
+    req = batch.requests[0]
+    all_frames = torch.ones(req.extend_len, req.encoder_len, dtype=torch.bool)
     expected = reference_attention(batch.query, batch.encoder_k[0], batch.encoder_v[0], all_frames, SCALE)
-    torch.testing.assert_close(out.view_as(expected), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -627,3 +627,19 @@ def check_decode_self_writes_token_and_reads_text_window(backend, pool, req_to_t
         all_text = torch.ones(1, req.text_len, dtype=torch.bool)
         expected = reference_attention(batch.query[i : i + 1], batch.text_k[i], batch.text_v[i], all_text, SCALE)
         torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def cross_extend_of_one_request(backend, pool, req_to_token_pool):
+    """Example request 0 (frame-causal mask, nothing cached but its encoder) through a cross layer.
+
+    Returns (output ``[extend_len, H, D]``, batch).
+    """
+    batch = build_batch([example_requests()[0]], *ROUTE_HEADS)
+    load_batch_into_pools(batch, pool, req_to_token_pool)
+    forward_batch = make_forward_batch(
+        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
+    )
+    cross, _ = make_layers()
+    out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch)
+    return out.view_as(batch.query), batch

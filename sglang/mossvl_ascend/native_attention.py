@@ -60,6 +60,7 @@ Catalog
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -304,73 +305,25 @@ def encoder_decoder_extend(
 
 
 def _route_encoder_batches_extend(
-    original,
-    backend,
-    query,
-    output,
-    k_cache,
-    v_cache,
-    req_to_token,
-    req_pool_indices,
-    seq_lens,
-    extend_prefix_lens,
-    extend_seq_lens,
-    encoder_lens=None,
-    is_cross_attention=False,
-    scaling=None,
-    enable_gqa=False,
-    causal=False,
-    sliding_window_size=-1,
-    full_to_swa_mapping=None,
-    logit_cap=0.0,
-    logit_capping_method="tanh",
-    cross_attention_custom_mask=None,
+    original, backend, *args, cross_attention_custom_mask=None, **kwargs
 ):
-    """AROUND hook: encoder-decoder batches get :func:`encoder_decoder_extend`, others stock."""
-    if encoder_lens is None:
+    """AROUND hook: encoder-decoder batches get :func:`encoder_decoder_extend`, others stock.
+
+    Arguments are bound against the stock signature, so callers may pass them positionally or
+    by keyword exactly as for the stock method; ``cross_attention_custom_mask`` is the one added.
+    """
+    stock_args = inspect.signature(original).bind(backend, *args, **kwargs)
+    stock_args.apply_defaults()
+    params = dict(stock_args.arguments)
+    if params["encoder_lens"] is None:
         if cross_attention_custom_mask is not None:
             raise ValueError("cross_attention_custom_mask given for a batch without encoder_lens")
-        return original(
-            backend,
-            query,
-            output,
-            k_cache,
-            v_cache,
-            req_to_token,
-            req_pool_indices,
-            seq_lens,
-            extend_prefix_lens,
-            extend_seq_lens,
-            encoder_lens,
-            is_cross_attention=is_cross_attention,
-            scaling=scaling,
-            enable_gqa=enable_gqa,
-            causal=causal,
-            sliding_window_size=sliding_window_size,
-            full_to_swa_mapping=full_to_swa_mapping,
-            logit_cap=logit_cap,
-            logit_capping_method=logit_capping_method,
-        )
-    # sliding_window_size is not used: stock applies no window to encoder batches either.
+        return original(backend, *args, **kwargs)
+    del params["self"]
+    # Stock applies no sliding window to encoder batches either.
+    del params["sliding_window_size"]
     return encoder_decoder_extend(
-        query,
-        output,
-        k_cache,
-        v_cache,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        extend_prefix_lens,
-        extend_seq_lens,
-        encoder_lens,
-        is_cross_attention=is_cross_attention,
-        cross_attention_custom_mask=cross_attention_custom_mask,
-        scaling=scaling,
-        enable_gqa=enable_gqa,
-        causal=causal,
-        full_to_swa_mapping=full_to_swa_mapping,
-        logit_cap=logit_cap,
-        logit_capping_method=logit_capping_method,
+        **params, cross_attention_custom_mask=cross_attention_custom_mask
     )
 
 
