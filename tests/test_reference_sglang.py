@@ -258,3 +258,101 @@ def test_stock_multimodal_processor_runs_our_processor_end_to_end(checkpoint, pr
     assert stock["mrope"] == positions.text[:, 0].tolist()
     assert stock["vision"] == positions.vision[:, 0].tolist()
     assert stock["counts"] == (~mine["cross_attention_mask"][0, 0]).sum(-1).tolist()
+
+
+class DenseOracleAttention:
+    """Attention backend for the stock model written as the obviously-correct dense computation:
+    self-attention is causal over the request's text; cross-attention during prefill lets row i
+    see the encoder keys of frames < visible_frame_counts[i] (the frame-causal contract an engine
+    backend must implement) and, at decode, every encoder key (what stock sglang does). K/V are
+    kept per layer, as a KV cache would keep them."""
+
+    def __init__(self, frame_of_key: torch.Tensor, visible_counts: torch.Tensor):
+        self.frame_of_key, self.visible_counts = frame_of_key, visible_counts
+        self.kv = {}
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **_):
+        heads, kv_heads, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+        if k is not None:
+            k, v = k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+            if not layer.is_cross_attention and layer.layer_id in self.kv:
+                old_k, old_v = self.kv[layer.layer_id]
+                k, v = torch.cat((old_k, k)), torch.cat((old_v, v))
+            self.kv[layer.layer_id] = (k, v)
+        k, v = self.kv[layer.layer_id]
+        q = q.view(-1, heads, dim)
+        rows, keys = q.shape[0], k.shape[0]
+        if layer.is_cross_attention and forward_batch.forward_mode.is_extend():
+            allowed = self.frame_of_key[None, :] < self.visible_counts[:, None]
+        elif layer.is_cross_attention:
+            allowed = torch.ones(rows, keys, dtype=torch.bool)
+        else:
+            allowed = torch.arange(keys)[None, :] <= torch.arange(keys - rows, keys)[:, None]
+        out = torch.zeros(rows, heads, dim)
+        for h in range(heads):
+            scores = (q[:, h] @ k[:, h // (heads // kv_heads)].T) * layer.scaling
+            weights = torch.nan_to_num(scores.masked_fill(~allowed, float("-inf")).softmax(-1))
+            out[:, h] = weights @ v[:, h // (heads // kv_heads)]
+        return out.reshape(rows, heads * dim)
+
+
+def test_stock_language_model_with_dense_attention_equals_ours_prefill_and_decode(sglang_model, sglang_processor, processor, ours):
+    """Stock sglang's MossVL forward (vision, separators, row gating, every decoder layer) with
+    the dense attention above gives our logits for the prompt and for greedy decode steps."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, set_forward_context
+
+    model, _ = sglang_model
+    text = "<|im_start|>user\nBefore <|image|> between<|video|> after<|im_end|>\n<|im_start|>assistant\n"
+    inputs = processor(text=text, images=[str(ASSETS / "gradient_96x64.png")], videos=[str(ASSETS / "moving_square_3s.mp4")])
+    grid = inputs["grid_thw"]
+    counts = (~inputs["cross_attention_mask"][0, 0]).sum(-1)
+    frame_of_key = torch.cat([torch.full((h * w // 4 + 1,), f) for f, (h, w) in enumerate((h, w) for t, h, w in grid.tolist() for _ in range(t))])
+    mrope, delta, vision_ids, _ = sglang_processor._compute_position_metadata(inputs["input_ids"], inputs["attention_mask"], grid, inputs["media_nums_per_sample"])
+    length, encoder_len = inputs["input_ids"].shape[1], frame_of_key.shape[0]
+    mm_input = SimpleNamespace(
+        mm_items=[SimpleNamespace(feature=inputs["pixel_values"], grid_thw=grid)],
+        vision_position_ids=vision_ids[:, 0],
+        visible_frame_counts=counts.to(torch.int32),
+        release_features=lambda: None,
+    )
+
+    def batch(mode, new_tokens, prefix, positions):
+        return SimpleNamespace(
+            forward_mode=mode, batch_size=1, mm_inputs=[mm_input], encoder_cached=[mode.is_decode()],
+            encoder_lens_cpu=[encoder_len], encoder_lens=torch.tensor([encoder_len]), seq_lens=torch.tensor([prefix + new_tokens]),
+            extend_seq_lens=torch.tensor([new_tokens]), extend_seq_lens_cpu=[new_tokens], extend_prefix_lens_cpu=[prefix],
+            mrope_positions=positions, residual_stream=None, global_num_token_non_padded_cpu=None, attn_cp_metadata=None,
+        )
+
+    def stock_logits(ids, forward_batch):
+        pixels, grid_thw, vision_positions = model._collect_mm_data(forward_batch)
+        states = None if pixels is None else model._insert_separator_tokens(model._get_vision_features(pixels, grid_thw), grid_thw)
+        hidden = model.language_model(
+            input_ids=ids, positions=forward_batch.mrope_positions, cross_attention_states=states, cross_attention_mask=None,
+            full_text_row_masked_out_mask=model.get_full_text_row_masked_out_mask(forward_batch), forward_batch=forward_batch,
+            skip_cross_attention=False, vision_position_ids=vision_positions,
+        )
+        return hidden @ model.language_model.lm_head.weight.T
+
+    previous = set_forward_context(ForwardContext(attn_backend=DenseOracleAttention(frame_of_key, counts)))
+    try:
+        with torch.no_grad():
+            stock = [stock_logits(inputs["input_ids"][0], batch(ForwardMode.EXTEND, length, 0, mrope[:, 0]))]
+            tokens = [int(stock[0][-1].argmax())]
+            for step in range(3):
+                position = torch.full((3, 1), length + step + int(delta.flatten()[0]))
+                stock.append(stock_logits(torch.tensor(tokens[-1:]), batch(ForwardMode.DECODE, 1, length + step, position)))
+                tokens.append(int(stock[-1][-1].argmax()))
+    finally:
+        set_forward_context(previous)
+    generated = ours.generate(**inputs, max_new_tokens=4, eos_token_id=[])
+    assert generated[0, length:].tolist() == tokens
+    with torch.no_grad():
+        out = ours(**inputs, use_cache=True)
+        torch.testing.assert_close(out.logits[0], stock[0], rtol=1e-4, atol=1e-4)
+        mask = inputs["attention_mask"]
+        for step in range(3):
+            mask = torch.cat((mask, torch.ones(1, 1, dtype=mask.dtype)), dim=1)
+            step_logits = ours(torch.tensor([[tokens[step]]]), mask, past_key_values=out.past_key_values, use_cache=True).logits[0]
+            torch.testing.assert_close(step_logits, stock[step + 1], rtol=1e-4, atol=1e-4)
