@@ -278,6 +278,25 @@ def test_cross_extend_matches_reference(patched_native, shape, heads, logit_cap)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("logit_cap", [0.0, 1.5], ids=["plain", "softcap"])
+def test_cross_and_self_extend_in_bf16(patched_native, logit_cap):
+    """The NPU serves bf16: same math, bf16 rounding only (reference in fp32 on the rounded inputs)."""
+    batch = build_batch(example_requests())
+    for name in ("query", "k_cache", "v_cache"):
+        setattr(batch, name, getattr(batch, name).bfloat16())
+    batch.encoder_k = [k.bfloat16() for k in batch.encoder_k]
+    batch.encoder_v = [v.bfloat16() for v in batch.encoder_v]
+    batch.text_k = [k.bfloat16() for k in batch.text_k]
+    batch.text_v = [v.bfloat16() for v in batch.text_v]
+    for cross, reference in ((True, reference_cross_extend), (False, reference_self_extend)):
+        out = run_native_extend(
+            patched_native, batch, cross=cross, mask=batch.packed_mask(), scale=SCALE, logit_cap=logit_cap
+        )
+        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+        expected = reference(batch, SCALE, logit_cap)
+        torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
 def test_cross_extend_without_mask_sees_all_frames(patched_native):
     batch = build_batch(example_requests())
     out = run_native_extend(patched_native, batch, cross=True, mask=None, scale=SCALE)
