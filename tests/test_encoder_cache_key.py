@@ -1,0 +1,69 @@
+"""Encoder-prefix radix keys depend on the media AND their vision positions (real sglang MossVL + items).
+
+The end-to-end consequence (same images at another text position on a warm server must still equal the
+reference model) is checked in tests/test_serving.py; here the key itself is pinned.
+"""
+
+from array import array
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def hooked():
+    from sglang.srt.models.moss_vl import MossVLForConditionalGeneration
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from mossvl_ascend import encoder_cache_key
+
+    stock = MossVLForConditionalGeneration.__dict__["_build_encoder_prefix_pad_ids"]
+    HookRegistry.reset()
+    encoder_cache_key.register()
+    HookRegistry.apply_hooks()
+    model = object.__new__(MossVLForConditionalGeneration)  # pad helpers read only these two attributes
+    torch.nn.Module.__init__(model)
+    model.spatial_merge_size = 2
+    model.vision_seq_pad_multiple = 1
+    yield model
+    HookRegistry.reset()
+    MossVLForConditionalGeneration._build_encoder_prefix_pad_ids = stock
+
+
+def mm_inputs(pixel_seed: int, vision_position_ids):
+    from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs
+
+    generator = torch.Generator().manual_seed(pixel_seed)
+    item = MultimodalDataItem(modality=Modality.IMAGE, feature=torch.rand(16, 768, generator=generator))
+    item.set("grid_thw", torch.tensor([[1, 4, 4]]))
+    item.set_pad_value()
+    return MultimodalInputs(mm_items=[item], vision_position_ids=vision_position_ids)
+
+
+def positions(text_offset: int) -> torch.Tensor:
+    return torch.arange(5).repeat(3, 1) + text_offset  # 4 vision tokens + separator, (3, encoder_len)
+
+
+def test_same_media_same_positions_share_a_key(hooked):
+    a = hooked.pad_input_ids(array("q", [7, 8]), mm_inputs(0, positions(3)))
+    b = hooked.pad_input_ids(array("q", [7, 8]), mm_inputs(0, positions(3)))
+    assert list(a) == list(b)
+    assert len(a) == 5 + 2 and list(a[-2:]) == [7, 8]
+
+
+def test_same_media_at_other_positions_get_another_key(hooked):
+    a = hooked.pad_input_ids(array("q", [7, 8]), mm_inputs(0, positions(3)))
+    b = hooked.pad_input_ids(array("q", [7, 8]), mm_inputs(0, positions(9)))
+    assert a[0] != b[0]
+
+
+def test_other_media_at_same_positions_get_another_key(hooked):
+    a = hooked.pad_input_ids(array("q", [7]), mm_inputs(0, positions(3)))
+    b = hooked.pad_input_ids(array("q", [7]), mm_inputs(1, positions(3)))
+    assert a[0] != b[0]
+
+
+def test_without_positions_the_stock_key_is_kept(hooked):
+    inputs = mm_inputs(0, None)
+    padded = hooked.pad_input_ids(array("q", [7]), inputs)
+    assert list(padded[:5]) == [inputs.mm_items[0].pad_value] * 5
