@@ -68,6 +68,10 @@ def test_video_file_sampled_at_fps_with_one_timestamp_marker_per_frame(processor
         assert text.startswith("<|vision_start|>") and text.endswith("<|vision_end|>")
     thinned = processor(text="<|video|>", videos=[{"video_path": str(VIDEO)}], media_kwargs={"video_fps": 4.0, "max_frames": 2})
     assert thinned["grid_thw"][0, 0] == 2
+    # 0.25 fps gives one target in a 3 s clip; min_frames 3 spreads frames 0, 6, 11 (of 12) instead
+    padded = processor(text="<|video|>", videos=[str(VIDEO)], media_kwargs={"video_fps": 0.25, "min_frames": 3})
+    stamps = re.findall(r"<\|time_start\|>([0-9.]+) seconds", processor.decode(padded["input_ids"][0]))
+    assert padded["grid_thw"][0, 0] == 3 and [float(s) for s in stamps] == [0.0, 1.5, 2.8]  # 2.75 s printed with one decimal
 
 
 def test_frame_list_video_and_interleaved_media(processor):
