@@ -50,12 +50,14 @@ Catalog
 **No hook: MossVL decode in the Ascend native backend** (item 5)
 
 - *target*: ``AscendTorchNativeAttnBackend.run_sdpa_forward_decode``.
-- *status*: 0.5.23 already behaves: cross-attention reads the cached encoder slots
-  ``[0, encoder_len)`` without a mask (every decode token sees all frames; decode never writes
-  encoder K/V when k/v are None, see :mod:`mossvl_ascend.ascend_backend`), self-attention reads
-  ``[encoder_len, encoder_len + seq_len)``, and ``encoder_len == 0`` yields zeros. Pinned by
-  regression tests in ``tests/test_native_attention.py``; the layer-level helper
-  :func:`encoder_decoder_attention` calls it unchanged.
+- *status*: 0.5.23 already behaves on CPU: cross-attention reads the cached encoder slots
+  ``[0, encoder_len)`` without a mask (every decode token sees all frames), self-attention reads
+  ``[encoder_len, encoder_len + seq_len)``, ``encoder_len == 0`` yields zeros (CPU SDPA over
+  zero keys). Pinned by regression tests (``tests/test_native_attention.py``,
+  ``tests/test_ascend_backend.py``). The layer helper :func:`encoder_decoder_attention` (used
+  by the Ascend and CPU hooks) nevertheless runs decode as a one-token extend through this
+  module's math, so the NPU never depends on how its SDPA treats zero keys and decode shares
+  the extend code; decode never writes encoder K/V when k/v are None.
 """
 
 from __future__ import annotations
@@ -363,44 +365,33 @@ def encoder_decoder_attention(
     v_cache = token_to_kv_pool.get_value_buffer(layer.layer_id).view(
         -1, layer.tp_v_head_num, layer.v_head_dim
     )
-    common = dict(
-        encoder_lens=forward_batch.encoder_lens,
+    if forward_batch.forward_mode.is_decode():
+        # Decode is an extend of one token whose whole text is the cached prefix: the same
+        # per-request math, so an encoder-less request never reaches an SDPA over zero keys.
+        extend_seq_lens = torch.ones_like(forward_batch.seq_lens)
+        extend_prefix_lens = forward_batch.seq_lens - 1
+    else:
+        extend_seq_lens = forward_batch.extend_seq_lens
+        extend_prefix_lens = forward_batch.extend_prefix_lens
+    native.run_sdpa_forward_extend(
+        q_,
+        output,
+        k_cache,
+        v_cache,
+        req_to_token_pool.req_to_token,
+        forward_batch.req_pool_indices,
+        forward_batch.seq_lens,
+        extend_prefix_lens,
+        extend_seq_lens,
+        forward_batch.encoder_lens,
         is_cross_attention=layer.is_cross_attention,
         scaling=layer.scaling,
         enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+        causal=not (layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY),
         logit_cap=layer.logit_cap,
         logit_capping_method=layer.logit_capping_method,
+        cross_attention_custom_mask=forward_batch.cross_attention_custom_mask,
     )
-    if forward_batch.forward_mode.is_decode():
-        native.run_sdpa_forward_decode(
-            q_,
-            output,
-            k_cache,
-            v_cache,
-            req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-            causal=False,
-            **common,
-        )
-    else:
-        causal = not (
-            layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY
-        )
-        native.run_sdpa_forward_extend(
-            q_,
-            output,
-            k_cache,
-            v_cache,
-            req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-            forward_batch.extend_prefix_lens,
-            forward_batch.extend_seq_lens,
-            causal=causal,
-            cross_attention_custom_mask=forward_batch.cross_attention_custom_mask,
-            **common,
-        )
     return output.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 
