@@ -17,7 +17,7 @@ from mossvl_ascend.frame_causal_attention import (
     encoder_boundaries_from_visible_frames,
     frame_causal_cross_attention,
     frame_ends_from_grid_thw,
-    plan_frame_causal_tiles,
+    plan_frame_causal_blocks,
 )
 
 MERGE = 2
@@ -89,39 +89,78 @@ def test_random_unsorted_boundaries_match_dense_reference(num_heads, num_kv_head
         assert (ref - uncapped).abs().max() > 1e-2
 
 
+def coverage_of(plan, kv_len):
+    """How many plan blocks cover each (sorted row, key) pair."""
+    count = torch.zeros(len(plan.sorted_boundaries), kv_len, dtype=torch.int64)
+    for block in plan.blocks:
+        rows = slice(block.row_start, block.row_end)
+        keys = torch.arange(block.key_start, block.key_end)
+        seen = keys[None, :] < plan.sorted_boundaries[rows, None] if block.masked else torch.ones(1, 1, dtype=torch.bool)
+        count[rows, block.key_start : block.key_end] += seen.to(torch.int64)
+    return count
+
+
+@pytest.mark.parametrize("leaf_rows", [1, 4, 16, 10_000])
+def test_plan_blocks_cover_every_visible_pair_exactly_once(leaf_rows):
+    gen = torch.Generator().manual_seed(1)
+    boundaries = torch.cat([video_prompt_boundaries(20, 5, 3, 17), torch.randint(0, 101, (40,), generator=gen)])
+    plan = plan_frame_causal_blocks(boundaries, leaf_rows=leaf_rows)
+    assert torch.equal(plan.sorted_boundaries, boundaries.sort(stable=True).values)
+    assert torch.equal(boundaries[plan.order], plan.sorted_boundaries)
+    expected = visibility_of(plan.sorted_boundaries, 100).to(torch.int64)
+    assert torch.equal(coverage_of(plan, 100), expected)
+    if leaf_rows == 10_000:
+        assert len(plan.blocks) == 1 and plan.blocks[0].masked
+
+
 @pytest.mark.parametrize("logit_cap", [0.0, 5.0])
-@pytest.mark.parametrize("row_overhead", [0.0, 4.0, 1e6])
-def test_video_prompt_is_exact_for_every_tiling(logit_cap, row_overhead):
-    """The planner's cost model only picks the tiling; every tiling (one run per tile, a few
-    masked tiles, one masked tile for everything) must give the dense result."""
+@pytest.mark.parametrize("leaf_rows", [1, 6, 10_000])
+def test_video_prompt_is_exact_for_every_leaf_size(logit_cap, leaf_rows):
+    """Leaf size only picks the blocks; many unmasked blocks merged through the sink, masked
+    leaves, or one masked block for everything must all give the dense result."""
     gen = torch.Generator().manual_seed(3)
     boundaries = video_prompt_boundaries(num_frames=12, tokens_per_frame=5, rows_per_frame=3, question_rows=40)
     boundaries = torch.cat([torch.zeros(2, dtype=torch.int64), boundaries])  # text before the video
     kv_len = 60
     q, k, v = random_qkv(8, 2, len(boundaries), kv_len, 8, gen, v_dim=12)
-    plan = plan_frame_causal_tiles(boundaries, row_overhead=row_overhead)
-    tile_count = {0.0: 12, 4.0: None, 1e6: 1}[row_overhead]
-    if tile_count is not None:
-        assert len(plan.tiles) == tile_count
-    else:
-        assert 1 < len(plan.tiles) < 12 and any(t.needs_mask for t in plan.tiles)
-    assert plan.tiles[-1].needs_mask == (len(plan.tiles) == 1)
+    q *= 2.0
+    plan = plan_frame_causal_blocks(boundaries, leaf_rows=leaf_rows)
+    assert (len(plan.blocks) > 1) == (leaf_rows < 10_000)
 
     out = frame_causal_cross_attention(q, k, v, boundaries, 0.3, logit_cap=logit_cap, plan=plan)
 
     ref = dense_reference(q, k, v, visibility_of(boundaries, kv_len), 0.3, logit_cap)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    assert out[:, :2].abs().max() == 0
 
 
-def test_single_row_runs_are_merged_and_exact():
-    """Many one-row runs (a streaming prompt): the default planner merges them; still exact."""
+def test_single_row_runs_are_exact():
+    """Many one-row runs (a streaming prompt) with the default leaf size."""
     gen = torch.Generator().manual_seed(11)
     boundaries = torch.arange(1, 301)
     q, k, v = random_qkv(2, 1, 300, 300, 8, gen)
-    plan = plan_frame_causal_tiles(boundaries)
-    assert len(plan.tiles) < 300
-    out = frame_causal_cross_attention(q, k, v, boundaries, 0.5, plan=plan)
+    out = frame_causal_cross_attention(q, k, v, boundaries, 0.5)
     ref = dense_reference(q, k, v, visibility_of(boundaries, 300), 0.5)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_logits_far_above_the_first_keys_fall_back_to_the_dense_path():
+    """The sink logit comes from the first keys; when later keys' logits exceed it by more than
+    fp32's exp range, the merge weights overflow and those rows must be recomputed, not NaN."""
+    gen = torch.Generator().manual_seed(2)
+    kv_len, rows = 200, 60
+    q = torch.randn(2, rows, 8, generator=gen) * 0.1
+    q[..., 0] = 10.0
+    k = torch.randn(1, kv_len, 8, generator=gen) * 0.1
+    k[0, :64, 0] = -20.0  # first keys: logits about -200; the rest about +200
+    k[0, 64:, 0] = 20.0
+    v = torch.randn(1, kv_len, 4, generator=gen)
+    boundaries = torch.randint(1, kv_len + 1, (rows,), generator=gen)
+    plan = plan_frame_causal_blocks(boundaries, leaf_rows=4)
+    assert len(plan.blocks) > 1
+    out = frame_causal_cross_attention(q, k, v, boundaries, 1.0, plan=plan)
+    ref = dense_reference(q, k, v, visibility_of(boundaries, kv_len), 1.0)
+    assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
 
 

@@ -3,15 +3,25 @@
 MOSS-VL's cross-attention visibility is prefix-causal over frames: a text row sees the encoder
 prefix ``[0, boundary)`` where ``boundary`` is the end of the last frame it may see. Stock sglang
 describes it with a packed ``[extend_seq_len x encoder_len]`` uint8 mask per request (1 =
-visible); for a long video that is tens to hundreds of MB and the dense SDPA still spends its
-FLOPs on frames that are masked out. Here the visibility is an int32 boundary per row, and the
-attention of one request is computed in *tiles*: rows sorted by boundary, consecutive rows grouped
-so that each tile is one SDPA over keys ``[0, largest boundary in the tile)``. A tile whose rows
-share one boundary (a run: the question after a video, a single image) needs no mask at all;
-other tiles carry a mask only of their own ``rows x keys`` size. The grouping is chosen by a
-small dynamic programme over the runs of equal boundaries that trades the keys a tile computes
-for rows it masks out (band waste) against the cost of many small SDPA calls (a CPU/NPU SDPA
-runs far below peak with a handful of rows).
+visible); for a long video that is tens to hundreds of MB, and a dense masked SDPA still spends
+its FLOPs on the frames that are masked out.
+
+Here visibility is an int32 boundary per row. Rows are sorted by boundary, so the visible region
+is a staircase, and it is cut into *blocks* (rows x key range), halving the rows recursively: the
+upper half of the rows all see the keys up to the middle row's boundary, which is one unmasked
+rectangle; each half's remaining staircase is cut the same way, down to small leaves that carry a
+mask of their own size. Every rectangle is one SDPA call with many rows and no mask, so almost all
+the work runs at unmasked-SDPA speed on visible keys only.
+
+A row's blocks are merged exactly with log-sum-exp weights, obtained from stock SDPA by a *sink*
+key: each block gets one extra key whose logit is a per-row constant ``c`` (an extra query column
+``c / scale`` against a key that is 1 in that column and 0 elsewhere) and whose value is 1 in an
+extra value column. The extra output column is then ``w = e^c / (Z + e^c)`` where ``Z`` is the
+block's softmax normaliser, so ``Z / e^c = (1 - w) / w`` and the block's unnormalised output is
+``out / w``; summing those over a row's blocks and dividing gives exact attention. ``c`` is the
+row's largest logit over the first keys it sees, so ``c <= log(total Z)`` (no precision loss);
+a row whose logits exceed ``c`` by more than fp32's exp range (about 88) would overflow the
+weights, and is detected (non-finite) and recomputed with a dense mask.
 
 Pure torch, no sglang imports: the same code runs on CPU and, through plain torch ops
 (``scaled_dot_product_attention``, ``matmul``, ``softmax``), on an Ascend NPU.
@@ -26,16 +36,16 @@ from dataclasses import dataclass
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-# Default cost model of one SDPA call over R rows and K keys: (R + ROW_OVERHEAD) * K *
-# (MASKED_COST if the tile carries a mask else 1). ROW_OVERHEAD expresses the fixed and
-# low-occupancy cost of a call in "rows"; MASKED_COST the extra work of reading and applying a
-# mask. Chosen with benchmarks/bench_cross_attention.py on the 2-core CPU; the result is exact
-# whatever the constants, they only decide how fast it is (an NPU may want others).
-ROW_OVERHEAD = 256.0
-MASKED_COST = 1.3
+# A staircase of at most this many rows is one masked leaf instead of being halved further:
+# below it an SDPA call is too small to run near peak and the mask costs less than more calls.
+# Chosen with benchmarks/bench_cross_attention.py on the 2-core CPU; any value is exact.
+LEAF_ROWS = 48
 
-# The softcap path materialises scores; bound one chunk to this many fp32 elements (64 MiB).
-_SOFTCAP_SCORE_ELEMENTS = 1 << 24
+# The sink logit is the row's largest logit over its first visible keys (up to this many).
+_SINK_PROBE_KEYS = 64
+
+# The dense path materialises scores; bound one chunk to this many elements (64 MiB in fp32).
+_DENSE_SCORE_ELEMENTS = 1 << 24
 
 
 def frame_ends_from_grid_thw(grid_thw: torch.Tensor, spatial_merge_size: int) -> torch.Tensor:
@@ -98,13 +108,17 @@ def encoder_boundaries_from_packed_mask(
 
 
 @dataclass(frozen=True)
-class Tile:
-    """Rows ``[row_start, row_end)`` of the boundary-sorted order, attending to keys ``[0, key_len)``."""
+class Block:
+    """Rows ``[row_start, row_end)`` of the boundary-sorted order against keys ``[key_start, key_end)``.
+
+    Unmasked blocks are seen whole by every row; masked ones (leaves) need ``key < boundary``.
+    """
 
     row_start: int
     row_end: int
-    key_len: int
-    needs_mask: bool
+    key_start: int
+    key_end: int
+    masked: bool
 
 
 @dataclass(frozen=True)
@@ -113,105 +127,112 @@ class FrameCausalPlan:
     every cross-attention layer of a forward pass.
 
     ``order`` sorts rows by boundary (stable); ``sorted_boundaries`` is ``boundaries[order]``
-    (int64, on the query device); rows with boundary 0 are in no tile and stay zero.
+    (int64); rows with boundary 0 are in no block and stay zero. The blocks cover every visible
+    (row, key) pair exactly once.
     """
 
     order: torch.Tensor
     sorted_boundaries: torch.Tensor
-    tiles: tuple[Tile, ...]
+    blocks: tuple[Block, ...]
 
 
-def _group_runs_into_tiles(
-    run_boundaries: list[int], run_rows: list[int], row_overhead: float, masked_cost: float
-) -> list[tuple[int, int]]:
-    """Optimal split of the sorted runs into tiles ``[first_run, end_run)`` under the cost model.
-
-    ``cost[j]`` is the cheapest way to compute runs ``[0, j)``; the last tile of that split
-    covers runs ``[i, j)``: ``rows(i..j) + row_overhead`` rows over ``run_boundaries[j-1]`` keys,
-    masked unless it is a single run. O(runs**2) arithmetic in ``runs`` vector steps.
-    """
-    num_runs = len(run_boundaries)
-    rows_before = torch.tensor([0] + run_rows, dtype=torch.float64).cumsum(0)
-    cost = torch.zeros(num_runs + 1, dtype=torch.float64)
-    tile_start = [0] * (num_runs + 1)
-    for end in range(1, num_runs + 1):
-        tile_rows = rows_before[end] - rows_before[:end]
-        mask_factor = torch.full((end,), masked_cost, dtype=torch.float64)
-        mask_factor[end - 1] = 1.0
-        candidates = cost[:end] + (tile_rows + row_overhead) * run_boundaries[end - 1] * mask_factor
-        best = int(torch.argmin(candidates))
-        cost[end] = candidates[best]
-        tile_start[end] = best
-    tiles = []
-    end = num_runs
-    while end > 0:
-        tiles.append((tile_start[end], end))
-        end = tile_start[end]
-    return tiles[::-1]
+def _cover_staircase(
+    boundaries: list[int], row_start: int, row_end: int, key_start: int, leaf_rows: int, blocks: list
+) -> None:
+    """Append blocks covering ``{(r, k): key_start <= k < boundaries[r]}`` for sorted rows."""
+    while row_start < row_end and boundaries[row_start] <= key_start:
+        row_start += 1  # these rows see nothing beyond key_start
+    if row_start == row_end:
+        return
+    if boundaries[row_start] == boundaries[row_end - 1]:
+        blocks.append(Block(row_start, row_end, key_start, boundaries[row_start], masked=False))
+        return
+    if row_end - row_start <= leaf_rows:
+        blocks.append(Block(row_start, row_end, key_start, boundaries[row_end - 1], masked=True))
+        return
+    middle = (row_start + row_end) // 2
+    if boundaries[middle] > key_start:
+        blocks.append(Block(middle, row_end, key_start, boundaries[middle], masked=False))
+    _cover_staircase(boundaries, row_start, middle, key_start, leaf_rows, blocks)
+    _cover_staircase(boundaries, middle, row_end, boundaries[middle], leaf_rows, blocks)
 
 
-def plan_frame_causal_tiles(
-    boundaries: torch.Tensor,
-    row_overhead: float = ROW_OVERHEAD,
-    masked_cost: float = MASKED_COST,
-) -> FrameCausalPlan:
-    """Sort rows by boundary and group the runs of equal boundaries into SDPA tiles
-    (cost model: see ``ROW_OVERHEAD`` / ``MASKED_COST``)."""
+def plan_frame_causal_blocks(boundaries: torch.Tensor, leaf_rows: int = LEAF_ROWS) -> FrameCausalPlan:
+    """Sort rows by boundary and cut the visible staircase into SDPA blocks (see module doc)."""
     boundaries = torch.as_tensor(boundaries).to(torch.int64)
     sorted_boundaries, order = torch.sort(boundaries, stable=True)
-    run_values, run_lengths = torch.unique_consecutive(sorted_boundaries.cpu(), return_counts=True)
-    run_values, run_lengths = run_values.tolist(), run_lengths.tolist()
-    first_row = [0]
-    for length in run_lengths:
-        first_row.append(first_row[-1] + length)
-    # Rows that see nothing form the leading run (boundaries are >= 0); they get no tile.
-    first_visible_run = 1 if run_values and run_values[0] == 0 else 0
-    visible_values = run_values[first_visible_run:]
-    groups = _group_runs_into_tiles(
-        visible_values, run_lengths[first_visible_run:], row_overhead, masked_cost
-    )
-    tiles = tuple(
-        Tile(
-            row_start=first_row[first_visible_run + first_run],
-            row_end=first_row[first_visible_run + end_run],
-            key_len=visible_values[end_run - 1],
-            needs_mask=end_run - first_run > 1,
-        )
-        for first_run, end_run in groups
-    )
-    return FrameCausalPlan(order=order, sorted_boundaries=sorted_boundaries, tiles=tiles)
+    blocks: list[Block] = []
+    _cover_staircase(sorted_boundaries.tolist(), 0, boundaries.numel(), 0, max(1, leaf_rows), blocks)
+    return FrameCausalPlan(order=order, sorted_boundaries=sorted_boundaries, blocks=tuple(blocks))
 
 
-def _softcapped_tile_attention(
+def _dense_rows_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    visible: torch.Tensor | None,
+    boundaries: torch.Tensor,
     scale: float,
     logit_cap: float,
 ) -> torch.Tensor:
-    """``softmax(cap * tanh(scale * q k^T / cap) | visible) v`` for one tile, in row chunks.
+    """Explicitly masked attention of rows ``q [Hq, R, D]`` over keys ``[0, boundaries[r])``.
 
-    SDPA has no softcap, so scores are materialised; the query heads are folded onto their KV
-    head (``[kv_heads, group * rows, dim]``) so GQA needs no copy of K/V.
+    The softcap path (SDPA has no softcap) and the fallback for rows whose merge weights left
+    fp32's range. Scores are materialised in row chunks; the query heads are folded onto their KV
+    head (``[kv_heads, group * rows, dim]``) so GQA needs no copy of K/V. Rows with boundary 0
+    are zero.
     """
     num_heads, rows, _ = q.shape
-    kv_heads, key_len, _ = k.shape
+    kv_heads = k.shape[0]
     group = num_heads // kv_heads
-    out = q.new_empty(num_heads, rows, v.shape[-1])
-    chunk = max(1, _SOFTCAP_SCORE_ELEMENTS // (num_heads * key_len))
+    out = q.new_zeros(num_heads, rows, v.shape[-1])
+    key_len = int(boundaries.max()) if rows else 0
+    if key_len == 0:
+        return out
+    k, v = k[:, :key_len], v[:, :key_len]
+    key_positions = torch.arange(key_len, device=q.device)
+    chunk = max(1, _DENSE_SCORE_ELEMENTS // (num_heads * key_len))
     for start in range(0, rows, chunk):
         stop = min(rows, start + chunk)
         q_chunk = q[:, start:stop].reshape(kv_heads, group * (stop - start), -1)
-        scores = torch.matmul(q_chunk, k.transpose(1, 2)).mul_(scale / logit_cap)
-        scores = scores.tanh_().mul_(logit_cap)
-        if visible is not None:
-            scores = scores.view(kv_heads, group, stop - start, key_len)
-            scores.masked_fill_(~visible[start:stop], float("-inf"))
-            scores = scores.view(kv_heads, group * (stop - start), key_len)
-        probs = torch.softmax(scores, dim=-1)
-        out[:, start:stop] = torch.matmul(probs, v).view(num_heads, stop - start, -1)
+        scores = torch.matmul(q_chunk, k.transpose(1, 2)).mul_(scale)
+        if logit_cap > 0:
+            scores = scores.div_(logit_cap).tanh_().mul_(logit_cap)
+        visible = key_positions[None, :] < boundaries[start:stop, None]
+        scores = scores.view(kv_heads, group, stop - start, key_len).masked_fill_(~visible, float("-inf"))
+        probs = torch.softmax(scores.view(kv_heads, group * (stop - start), key_len), dim=-1)
+        chunk_out = torch.matmul(probs, v).view(num_heads, stop - start, -1)
+        out[:, start:stop] = torch.where(visible.any(dim=1)[None, :, None], chunk_out, 0.0)
     return out
+
+
+def _grouped_by_kv_head(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[Hq, L, d] -> [Hk, L, group, d]`` (query head ``h`` serves KV head ``h // group``), so
+    that any row range ``[:, a:b]`` views as ``[Hk, (b - a) * group, d]``: GQA as one SDPA per KV
+    head with more rows and no copy of K/V."""
+    num_heads, rows, dim = x.shape
+    return x.view(kv_heads, num_heads // kv_heads, rows, dim).transpose(1, 2)
+
+
+def _sink_logits(q_grouped: torch.Tensor, k: torch.Tensor, boundaries: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[Hk, L, group]``: each row's largest logit over its first visible keys, a lower bound of
+    its log-sum-exp (so merged weights are >= 1 and lose no precision). ``-inf`` if it sees none."""
+    kv_heads, rows, group, dim = q_grouped.shape
+    probe = min(k.shape[1], _SINK_PROBE_KEYS)
+    logits = torch.matmul(q_grouped.reshape(kv_heads, rows * group, dim), k[:, :probe].transpose(1, 2))
+    logits = logits.view(kv_heads, rows, group, probe) * scale
+    visible = torch.arange(probe, device=k.device)[None, :] < boundaries[:, None]
+    return logits.masked_fill(~visible[None, :, None, :], float("-inf")).amax(dim=-1)
+
+
+def _keys_with_sink(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [H, S, d]`` with a zero extra column ``[H, S, d + 1]``, and the sink row ``[H, 1, d + 1]``
+    (1 in the extra column, 0 elsewhere)."""
+    heads, length, dim = x.shape
+    widened = x.new_zeros(heads, length, dim + 1)
+    widened[..., :dim] = x
+    sink = x.new_zeros(heads, 1, dim + 1)
+    sink[..., dim] = 1.0
+    return widened, sink
 
 
 def frame_causal_cross_attention(
@@ -228,34 +249,89 @@ def frame_causal_cross_attention(
     q ``[Hq, L, D]``; k ``[Hk, S, D]``; v ``[Hk, S, Dv]`` (Hq a multiple of Hk, GQA);
     boundaries ``[L]`` ints in ``[0, S]``, any order. Returns ``[Hq, L, Dv]``; rows with
     boundary 0 are zero. ``logit_cap > 0`` applies ``cap * tanh(scale * q k^T / cap)`` before the
-    softmax. Pass ``plan`` (from :func:`plan_frame_causal_tiles` on the same boundaries) to
-    reuse it across layers.
+    softmax (dense path: SDPA has no softcap). Pass ``plan`` (from :func:`plan_frame_causal_blocks`
+    on the same boundaries) to reuse it across layers.
     """
     num_heads, q_len, _ = q.shape
     if boundaries.numel() != q_len:
         raise ValueError(f"{boundaries.numel()} boundaries for {q_len} query rows")
     if plan is None:
-        plan = plan_frame_causal_tiles(boundaries)
-    if plan.tiles and plan.tiles[-1].key_len > k.shape[1]:
-        raise ValueError(f"boundary {plan.tiles[-1].key_len} beyond encoder length {k.shape[1]}")
+        plan = plan_frame_causal_blocks(boundaries)
+    if q_len and int(plan.sorted_boundaries[-1]) > k.shape[1]:
+        raise ValueError(f"boundary {int(plan.sorted_boundaries[-1])} beyond encoder length {k.shape[1]}")
     order = plan.order.to(q.device)
     sorted_boundaries = plan.sorted_boundaries.to(q.device)
-    out = q.new_zeros(num_heads, q_len, v.shape[-1])
-    enable_gqa = num_heads != k.shape[0]
-    key_positions = torch.arange(k.shape[1], device=q.device)
-    for tile in plan.tiles:
-        rows = order[tile.row_start : tile.row_end]
-        q_tile = q.index_select(1, rows)
-        k_tile, v_tile = k[:, : tile.key_len], v[:, : tile.key_len]
-        visible = None
-        if tile.needs_mask:
-            tile_boundaries = sorted_boundaries[tile.row_start : tile.row_end]
-            visible = key_positions[None, : tile.key_len] < tile_boundaries[:, None]
-        if logit_cap > 0:
-            o_tile = _softcapped_tile_attention(q_tile, k_tile, v_tile, visible, scale, logit_cap)
-        else:
-            o_tile = scaled_dot_product_attention(
-                q_tile, k_tile, v_tile, attn_mask=visible, scale=scale, enable_gqa=enable_gqa
-            )
-        out.index_copy_(1, rows, o_tile)
+    q_sorted = q.index_select(1, order)
+    if logit_cap > 0:
+        out_sorted = _dense_rows_attention(q_sorted, k, v, sorted_boundaries, scale, logit_cap)
+    elif len(plan.blocks) == 1:
+        out_sorted = _single_block_attention(q_sorted, k, v, sorted_boundaries, plan.blocks[0], scale)
+    else:
+        out_sorted = _merged_blocks_attention(q_sorted, k, v, sorted_boundaries, plan.blocks, scale)
+    return torch.empty_like(out_sorted).index_copy_(1, order, out_sorted)
+
+
+def _single_block_attention(q, k, v, sorted_boundaries, block: Block, scale: float) -> torch.Tensor:
+    """One block covers every visible pair (an image, one run, a short prompt): plain SDPA."""
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    rows = slice(block.row_start, block.row_end)
+    visible = None
+    if block.masked:
+        visible = torch.arange(block.key_end, device=q.device)[None, :] < sorted_boundaries[rows, None]
+    out[:, rows] = scaled_dot_product_attention(
+        q[:, rows],
+        k[:, : block.key_end],
+        v[:, : block.key_end],
+        attn_mask=visible,
+        scale=scale,
+        enable_gqa=q.shape[0] != k.shape[0],
+    )
     return out
+
+
+def _merged_blocks_attention(q, k, v, sorted_boundaries, blocks, scale: float) -> torch.Tensor:
+    """Every block through SDPA with a sink key; blocks merged by their log-sum-exp weights."""
+    num_heads, rows, _ = q.shape
+    kv_heads, v_dim = k.shape[0], v.shape[-1]
+    group = num_heads // kv_heads
+    q_grouped = _grouped_by_kv_head(q, kv_heads)
+    sink = _sink_logits(q_grouped, k, sorted_boundaries, scale)
+    # Rows that see nothing are in no block; any finite sink keeps their arithmetic quiet.
+    sink = torch.where(torch.isfinite(sink), sink, 0.0)
+    q_with_sink = torch.cat([q_grouped, (sink / scale).unsqueeze(-1).to(q.dtype)], dim=-1)
+    k_widened, k_sink = _keys_with_sink(k)
+    v_widened, v_sink = _keys_with_sink(v)
+    numerator = q.new_zeros(kv_heads, rows, group, v_dim, dtype=torch.float32)
+    weight = q.new_zeros(kv_heads, rows, group, dtype=torch.float32)
+    for block in blocks:
+        row_range = slice(block.row_start, block.row_end)
+        block_rows = block.row_end - block.row_start
+        visible = None
+        if block.masked:
+            keys = torch.arange(block.key_start, block.key_end, device=q.device)
+            visible = torch.ones(block_rows, group, 1 + keys.numel(), dtype=torch.bool, device=q.device)
+            visible[:, :, 1:] = (keys[None, :] < sorted_boundaries[row_range, None])[:, None, :]
+            visible = visible.view(block_rows * group, -1)
+        out = scaled_dot_product_attention(
+            q_with_sink[:, row_range].reshape(kv_heads, block_rows * group, -1),
+            torch.cat([k_sink, k_widened[:, block.key_start : block.key_end]], dim=1),
+            torch.cat([v_sink, v_widened[:, block.key_start : block.key_end]], dim=1),
+            attn_mask=visible,
+            scale=scale,
+        ).view(kv_heads, block_rows, group, v_dim + 1).float()
+        # out[..., -1] = w = e^c / (Z + e^c): the block's output times Z is out / w (in units of
+        # e^c) and its normaliser Z is (1 - w) / w.
+        inverse_sink_share = out[..., v_dim:].reciprocal()
+        numerator[:, row_range].addcmul_(out[..., :v_dim], inverse_sink_share)
+        weight[:, row_range].add_(inverse_sink_share.squeeze(-1)).sub_(1.0)
+    # A seen row's weight is >= 1 (the sink logit is below its log-sum-exp); unseen rows are 0/0.
+    seen = sorted_boundaries > 0
+    result = torch.where(seen[None, :, None, None], numerator / weight.unsqueeze(-1), 0.0)
+    result = result.transpose(1, 2).reshape(num_heads, rows, v_dim).to(q.dtype)
+    out_of_range = (~torch.isfinite(weight)).any(dim=2).any(dim=0) & seen
+    if bool(out_of_range.any()):
+        rows_to_redo = out_of_range.nonzero().flatten()
+        result[:, rows_to_redo] = _dense_rows_attention(
+            q[:, rows_to_redo], k, v, sorted_boundaries[rows_to_redo], scale, 0.0
+        )
+    return result
