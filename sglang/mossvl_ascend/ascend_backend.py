@@ -19,10 +19,11 @@ Catalog
 - *how*: for a batch with ``forward_batch.encoder_lens`` on a non-MLA model (eager mode), the
   hook runs :func:`mossvl_ascend.native_attention.encoder_decoder_attention`: KV write through
   the pool's ``set_kv_buffer`` (encoder slots for cross-attention layers, skipped when k/v are
-  None), then the patched native extend with ``cross_attention_custom_mask=`` (decode runs as
-  a one-token extend without a mask: every decode token sees all frames). Other batches, MLA models and NPU graph
-  replay go to the stock method unchanged (the native math syncs with the host per request, so
-  it cannot be captured; graph decode is off for MOSS-VL, see ``server_args``).
+  None), then the patched native extend with ``cross_attention_custom_mask=`` (decode runs as a
+  one-token extend without a mask: every decode token sees all frames). Other batches, MLA
+  models and NPU graph replay go to the stock method unchanged (the native math syncs with the
+  host per request, so it cannot be captured; graph decode is off for MOSS-VL, see
+  ``server_args``).
 - *upstream status / when to remove*: not upstream in 0.5.23. Remove once ``forward_extend``
   passes the mask (keyword ``cross_attention_custom_mask``) and encoder-decoder batches cannot
   reach the FIA/FA branches.

@@ -10,14 +10,14 @@ Catalog
 - *why*: on an NPU, MOSS-VL attention runs in ``AscendTorchNativeAttnBackend`` (pure torch,
   patched by :mod:`mossvl_ascend.native_attention`). The CPU server (MOSS-VL on ``--device cpu``
   resolves to ``--attention-backend torch_native``) would otherwise run the different stock
-  ``TorchNativeAttnBackend`` math, which has no cross-attention mask and the same cached-prefix
-  window problem, so CPU end-to-end tests would not exercise the NPU code.
+  ``TorchNativeAttnBackend`` math (its windows are right but it has no cross-attention mask),
+  so CPU end-to-end tests would neither apply frame-causal visibility nor exercise the NPU code.
 - *how*: a batch with ``forward_batch.encoder_lens`` is handed to
   :func:`mossvl_ascend.native_attention.encoder_decoder_attention` with one stateless
-  ``AscendTorchNativeAttnBackend`` instance (``ASCEND_NATIVE_MATH``): the same KV write, mask slicing and per-request
-  math the Ascend backend hook runs. Only the KV pool differs (the CPU pool's
-  ``set_kv_buffer`` versus the NPU pool's). Every other batch, and torch_native on any device
-  but the CPU (CUDA keeps stock behaviour), goes to the stock method.
+  ``AscendTorchNativeAttnBackend`` instance (``ASCEND_NATIVE_MATH``): the same KV write, mask
+  slicing and per-request math the Ascend backend hook runs. Only the KV pool differs (the CPU
+  pool's ``set_kv_buffer`` versus the NPU pool's). Every other batch, and torch_native on any
+  device but the CPU (CUDA keeps stock behaviour), goes to the stock method.
 - *upstream status / when to remove*: a test-harness route, not an upstream bug. Keep while
   CPU tests stand in for the NPU; it can go once NPU CI exercises the Ascend backend directly.
 """
