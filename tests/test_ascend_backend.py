@@ -49,6 +49,7 @@ from test_native_attention import (
     make_req_to_token_pool,
     new_text_slots,
     reference_cross_extend,
+    reference_self_extend,
 )
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -172,6 +173,22 @@ def test_stock_extend_drops_the_frame_mask(npu_modules):
     backend = make_ascend_backend(ascend_module, pool, req_to_token_pool)
     out, batch = cross_extend_of_one_request(backend, pool, req_to_token_pool)
     assert not torch.allclose(out, reference_cross_extend(batch, SCALE), atol=1e-3)
+
+
+def test_stock_extend_self_misses_the_cached_prefix(npu_modules):
+    """Why item 4 needs the hook: unhooked 0.5.23 reads keys over [encoder_len, encoder_len + extend_len)."""
+    ascend_module, memory_pool_npu = npu_modules
+    pool, req_to_token_pool = make_npu_pool(memory_pool_npu), make_req_to_token_pool()
+    backend = make_ascend_backend(ascend_module, pool, req_to_token_pool)
+    batch = build_batch([example_requests()[2]], *ROUTE_HEADS)  # 4 cached text tokens
+    load_batch_into_pools(batch, pool, req_to_token_pool)
+    forward_batch = make_forward_batch(
+        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long),
+    )
+    _, self_attn = make_layers()
+    out = backend.forward(batch.query.flatten(1), None, None, self_attn, forward_batch)
+    assert not torch.allclose(out.view_as(batch.query), reference_self_extend(batch, SCALE), atol=1e-3)
 
 
 # ----------------------------------------------------------------------------- plugin loading
