@@ -143,6 +143,7 @@ class MossVLImageProcessor(BaseImageProcessor):
         video_fps: float = 1.0,
         min_frames: int = 1,
         max_frames: int = 256,
+        max_input_pixels: int = 8192 * 8192,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -159,6 +160,8 @@ class MossVLImageProcessor(BaseImageProcessor):
         self.video_fps = video_fps
         self.min_frames = min_frames
         self.max_frames = max_frames
+        # Larger inputs are refused, not downscaled: decoding them already costs memory a server should not risk.
+        self.max_input_pixels = max_input_pixels
 
     def target_size(self, height: int, width: int, max_pixels: int) -> tuple[int, int]:
         """(height, width) rounded to multiples of patch*merge, scaled to fit [min_pixels, max_pixels]
@@ -179,6 +182,12 @@ class MossVLImageProcessor(BaseImageProcessor):
     def patchify_frames(self, frames: list[Image.Image], max_pixels: int) -> tuple[torch.Tensor, list[int]]:
         """Frames of one medium (all resized to the first frame's target size) ->
         (frames*gh*gw, 3*P*P) float32 patches and grid [frames, gh, gw]."""
+        for frame in frames:
+            if frame.width * frame.height > self.max_input_pixels:
+                raise ValueError(
+                    f"image of {frame.width}x{frame.height} = {frame.width * frame.height} pixels is larger than this "
+                    f"model's limit max_input_pixels={self.max_input_pixels} (processor config)"
+                )
         height, width = self.target_size(frames[0].height, frames[0].width, max_pixels)
         mean = torch.tensor(self.image_mean).view(1, 3, 1, 1)
         std = torch.tensor(self.image_std).view(1, 3, 1, 1)

@@ -74,11 +74,14 @@ PRESETS = {
         "text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, cross_attention_layers=[1, 3], max_position_embeddings=32768, mrope_section=[6, 5, 5]),
         "vision": dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=4, num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
         "bpe_vocab": 768,
+        # Small budgets keep the dense per-frame vision attention of a CPU server in megabytes.
+        "processor": dict(max_pixels=512 * 512, video_max_pixels=256 * 256, max_input_pixels=2048 * 2048),
     },
     "bench": {
         "text": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=10, num_attention_heads=16, num_key_value_heads=8, head_dim=64, cross_attention_layers=[2, 6], max_position_embeddings=65536, mrope_section=[12, 10, 10]),
         "vision": dict(depth=6, hidden_size=384, intermediate_size=1024, num_heads=6, num_position_embeddings=1024, deepstack_visual_indexes=[1, 3]),
         "bpe_vocab": 2048,
+        "processor": dict(max_pixels=1024 * 1024, video_max_pixels=512 * 512, max_input_pixels=4096 * 4096),
     },
 }
 
@@ -185,7 +188,7 @@ def write_checkpoint(directory: Path, preset_name: str, seed: int) -> None:
     config = build_config(preset, tokenizer)
     config.save_pretrained(directory)
     save_file(random_weights(config, seed), str(directory / "model.safetensors"), metadata={"format": "pt"})
-    image_processor = MossVLImageProcessor()
+    image_processor = MossVLImageProcessor(**preset["processor"])
     processor = MossVLProcessor(image_processor=image_processor, tokenizer=tokenizer)
     MossVLProcessor.register_for_auto_class("AutoProcessor")
     MossVLImageProcessor.register_for_auto_class("AutoImageProcessor")

@@ -54,6 +54,16 @@ def test_tiny_image_is_resized_up_and_sizes_stay_in_budget(processor):
     assert (h * 16) * (w * 16) <= 64 * 96 and h % 2 == 0 and w % 2 == 0 and w > h
 
 
+def test_input_larger_than_the_configured_limit_is_refused_not_resized(processor):
+    limit = processor.image_processor.max_input_pixels
+    side = int(limit**0.5) + 1
+    with pytest.raises(ValueError, match=rf"{side}x{side} = {side * side} pixels .* max_input_pixels={limit}"):
+        processor(text="<|image|>", images=[Image.new("RGB", (side, side))])
+    at_limit = processor(text="<|image|>", images=[Image.new("RGB", (limit // 1024, 1024))])
+    _, h, w = at_limit["grid_thw"][0].tolist()
+    assert (h * 16) * (w * 16) <= processor.image_processor.max_pixels  # accepted, then downscaled to the budget
+
+
 def test_video_file_sampled_at_fps_with_one_timestamp_marker_per_frame(processor):
     with av.open(str(VIDEO)) as container:
         times = [float(frame.time) for frame in container.decode(video=0)]
