@@ -134,6 +134,23 @@ def test_video_prompt_is_exact_for_every_leaf_size(logit_cap, leaf_rows):
     assert out[:, :2].abs().max() == 0
 
 
+@pytest.mark.parametrize(
+    "boundaries,masked",
+    [
+        (torch.tensor([0, 0] + [40] * 30), False),  # one image after some text: one run
+        (torch.tensor([0] + [38] * 3 + [40] * 30), True),  # a short video, nearly all visible
+    ],
+)
+def test_nearly_all_visible_is_one_block(boundaries, masked):
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = random_qkv(4, 2, len(boundaries), 40, 8, gen)
+    plan = plan_frame_causal_blocks(boundaries)
+    assert [(b.row_start, b.key_end, b.masked) for b in plan.blocks] == [(int((boundaries == 0).sum()), 40, masked)]
+    out = frame_causal_cross_attention(q, k, v, boundaries, 0.4, plan=plan)
+    ref = dense_reference(q, k, v, visibility_of(boundaries, 40), 0.4)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+
+
 def test_single_row_runs_are_exact():
     """Many one-row runs (a streaming prompt) with the default leaf size."""
     gen = torch.Generator().manual_seed(11)

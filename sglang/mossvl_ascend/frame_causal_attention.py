@@ -31,6 +31,7 @@ Tensor conventions: a request's query ``[num_heads, q_len, head_dim]``, key/valu
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
 import torch
@@ -39,10 +40,16 @@ from torch.nn.functional import scaled_dot_product_attention
 # A staircase of at most this many rows is one masked leaf instead of being halved further:
 # below it an SDPA call is too small to run near peak and the mask costs less than more calls.
 # Chosen with benchmarks/bench_cross_attention.py on the 2-core CPU; any value is exact.
-LEAF_ROWS = 48
+LEAF_ROWS = 96
 
-# The sink logit is the row's largest logit over its first visible keys (up to this many).
+# At or above this visible share of its bounding box, a request is one masked SDPA block: the
+# merge's fixed costs (sink keys, wider K/V copies) would outweigh the few keys it skips.
+DENSE_VISIBLE_FRACTION = 0.9
+
+# The sink logit is the row's largest logit over its first visible keys (up to this many), less
+# a margin so that even a block holding many sinks leaves most of the weight to real keys.
 _SINK_PROBE_KEYS = 64
+_SINK_MARGIN = 10.0
 
 # The dense path materialises scores; bound one chunk to this many elements (64 MiB in fp32).
 _DENSE_SCORE_ELEMENTS = 1 << 24
@@ -158,11 +165,21 @@ def _cover_staircase(
 
 
 def plan_frame_causal_blocks(boundaries: torch.Tensor, leaf_rows: int = LEAF_ROWS) -> FrameCausalPlan:
-    """Sort rows by boundary and cut the visible staircase into SDPA blocks (see module doc)."""
+    """Sort rows by boundary and cut the visible staircase into SDPA blocks (see module doc).
+
+    When nearly the whole bounding box is visible (``DENSE_VISIBLE_FRACTION``), one masked block
+    is cheaper than merging several.
+    """
     boundaries = torch.as_tensor(boundaries).to(torch.int64)
     sorted_boundaries, order = torch.sort(boundaries, stable=True)
+    sorted_list = sorted_boundaries.tolist()
+    first_seen = bisect_right(sorted_list, 0)
+    rows, largest = len(sorted_list) - first_seen, (sorted_list[-1] if sorted_list else 0)
     blocks: list[Block] = []
-    _cover_staircase(sorted_boundaries.tolist(), 0, boundaries.numel(), 0, max(1, leaf_rows), blocks)
+    if rows and sum(sorted_list[first_seen:]) >= DENSE_VISIBLE_FRACTION * rows * largest:
+        blocks.append(Block(first_seen, len(sorted_list), 0, largest, masked=sorted_list[first_seen] != largest))
+    else:
+        _cover_staircase(sorted_list, first_seen, len(sorted_list), 0, max(1, leaf_rows), blocks)
     return FrameCausalPlan(order=order, sorted_boundaries=sorted_boundaries, blocks=tuple(blocks))
 
 
@@ -224,15 +241,14 @@ def _sink_logits(q_grouped: torch.Tensor, k: torch.Tensor, boundaries: torch.Ten
     return logits.masked_fill(~visible[None, :, None, :], float("-inf")).amax(dim=-1)
 
 
-def _keys_with_sink(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [H, S, d]`` with a zero extra column ``[H, S, d + 1]``, and the sink row ``[H, 1, d + 1]``
-    (1 in the extra column, 0 elsewhere)."""
-    heads, length, dim = x.shape
-    widened = x.new_zeros(heads, length, dim + 1)
-    widened[..., :dim] = x
-    sink = x.new_zeros(heads, 1, dim + 1)
-    sink[..., dim] = 1.0
-    return widened, sink
+def _with_sinks(x: torch.Tensor, key_positions: torch.Tensor, sink_positions: torch.Tensor) -> torch.Tensor:
+    """``x [H, S, d]`` laid out as ``[H, S + m, d + 1]``: key ``j`` at ``key_positions[j]`` with 0
+    in the extra column, a sink (1 in the extra column, 0 elsewhere) at each ``sink_positions``."""
+    heads, _, dim = x.shape
+    out = x.new_zeros(heads, key_positions.numel() + sink_positions.numel(), dim + 1)
+    out[:, key_positions, :dim] = x
+    out[:, sink_positions, dim] = 1.0
+    return out
 
 
 def frame_causal_cross_attention(
@@ -290,41 +306,55 @@ def _single_block_attention(q, k, v, sorted_boundaries, block: Block, scale: flo
 
 
 def _merged_blocks_attention(q, k, v, sorted_boundaries, blocks, scale: float) -> torch.Tensor:
-    """Every block through SDPA with a sink key; blocks merged by their log-sum-exp weights."""
+    """Every block through SDPA with sink keys; blocks merged by their log-sum-exp weights.
+
+    K and V are laid out once with a sink in front of every key where some block starts, so each
+    block is a view ``[its first sink, its last key]``; the ``n`` sinks inside a block all have
+    logit ``c`` and their extra value column sums to ``w = n e^c / (Z + n e^c)``.
+    """
     num_heads, rows, _ = q.shape
-    kv_heads, v_dim = k.shape[0], v.shape[-1]
+    kv_heads, key_len, v_dim = k.shape[0], k.shape[1], v.shape[-1]
     group = num_heads // kv_heads
     q_grouped = _grouped_by_kv_head(q, kv_heads)
-    sink = _sink_logits(q_grouped, k, sorted_boundaries, scale)
+    sink = _sink_logits(q_grouped, k, sorted_boundaries, scale) - _SINK_MARGIN
     # Rows that see nothing are in no block; any finite sink keeps their arithmetic quiet.
     sink = torch.where(torch.isfinite(sink), sink, 0.0)
     q_with_sink = torch.cat([q_grouped, (sink / scale).unsqueeze(-1).to(q.dtype)], dim=-1)
-    k_widened, k_sink = _keys_with_sink(k)
-    v_widened, v_sink = _keys_with_sink(v)
+
+    starts = sorted({block.key_start for block in blocks})
+    starts_tensor = torch.tensor(starts, dtype=torch.int64, device=q.device)
+    keys = torch.arange(key_len, device=q.device)
+    key_positions = keys + torch.searchsorted(starts_tensor, keys, right=True)
+    sink_positions = starts_tensor + torch.arange(len(starts), device=q.device)
+    k_with_sinks = _with_sinks(k, key_positions, sink_positions)
+    v_with_sinks = _with_sinks(v, key_positions, sink_positions)
+    key_at_position = torch.full((key_len + len(starts),), -1, dtype=torch.int64, device=q.device)
+    key_at_position[key_positions] = keys  # sinks stay -1: below every boundary, always visible
+
     numerator = q.new_zeros(kv_heads, rows, group, v_dim, dtype=torch.float32)
     weight = q.new_zeros(kv_heads, rows, group, dtype=torch.float32)
     for block in blocks:
         row_range = slice(block.row_start, block.row_end)
         block_rows = block.row_end - block.row_start
+        first_sink = bisect_left(starts, block.key_start)
+        sinks = bisect_left(starts, block.key_end) - first_sink
+        positions = slice(block.key_start + first_sink, block.key_end + first_sink + sinks)
         visible = None
         if block.masked:
-            keys = torch.arange(block.key_start, block.key_end, device=q.device)
-            visible = torch.ones(block_rows, group, 1 + keys.numel(), dtype=torch.bool, device=q.device)
-            visible[:, :, 1:] = (keys[None, :] < sorted_boundaries[row_range, None])[:, None, :]
-            visible = visible.view(block_rows * group, -1)
+            visible = key_at_position[None, positions] < sorted_boundaries[row_range, None]
+            visible = visible[:, None, :].expand(-1, group, -1).reshape(block_rows * group, -1)
         out = scaled_dot_product_attention(
             q_with_sink[:, row_range].reshape(kv_heads, block_rows * group, -1),
-            torch.cat([k_sink, k_widened[:, block.key_start : block.key_end]], dim=1),
-            torch.cat([v_sink, v_widened[:, block.key_start : block.key_end]], dim=1),
+            k_with_sinks[:, positions],
+            v_with_sinks[:, positions],
             attn_mask=visible,
             scale=scale,
         ).view(kv_heads, block_rows, group, v_dim + 1).float()
-        # out[..., -1] = w = e^c / (Z + e^c): the block's output times Z is out / w (in units of
-        # e^c) and its normaliser Z is (1 - w) / w.
-        inverse_sink_share = out[..., v_dim:].reciprocal()
-        numerator[:, row_range].addcmul_(out[..., :v_dim], inverse_sink_share)
-        weight[:, row_range].add_(inverse_sink_share.squeeze(-1)).sub_(1.0)
-    # A seen row's weight is >= 1 (the sink logit is below its log-sum-exp); unseen rows are 0/0.
+        # In units of e^c: the block's output times Z is out * n / w, and Z is n / w - n.
+        sinks_over_share = out[..., v_dim:].reciprocal().mul_(sinks)
+        numerator[:, row_range].addcmul_(out[..., :v_dim], sinks_over_share)
+        weight[:, row_range].add_(sinks_over_share.squeeze(-1)).sub_(sinks)
+    # A seen row's weight is >= e^margin (the sink logit is below its log-sum-exp); unseen rows are 0/0.
     seen = sorted_boundaries > 0
     result = torch.where(seen[None, :, None, None], numerator / weight.unsqueeze(-1), 0.0)
     result = result.transpose(1, 2).reshape(num_heads, rows, v_dim).to(q.dtype)
