@@ -1,0 +1,117 @@
+"""Shared pieces of the end-to-end serving tests: chat cases, the reference oracle, OpenAI request helpers.
+
+A case is a list of chat messages in the reference processor's form (``{"type": "image", "image": path}``,
+``{"type": "video", "video": path}``); ``to_openai`` turns it into the OpenAI wire form with data URLs.
+The oracle is the reference transformers model in fp32, greedy, never stopping at EOS, so the server's
+completion ids must equal it token for token.
+"""
+
+from __future__ import annotations
+
+import base64
+import mimetypes
+from pathlib import Path
+
+import torch
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+MAX_TOKENS = 10
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
+# sglang extensions: return ids, never stop early, report radix-cache hits.
+TOKEN_IDS = {"return_token_ids": True, "return_prompt_token_ids": True, "ignore_eos": True}
+
+
+def image(name: str, text: str) -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": str(ASSETS / name)}, {"type": "text", "text": text}]}
+
+
+CASES = {
+    "image_data_url": [image("square_64.png", "What is in this image?")],
+    "two_images": [{"role": "user", "content": [
+        {"type": "image", "image": str(ASSETS / "square_64.png")},
+        {"type": "image", "image": str(ASSETS / "gradient_96x64.png")},
+        {"type": "text", "text": "Compare the two images."},
+    ]}],
+    "three_turns": [
+        image("square_64.png", "What is the first picture?"),
+        {"role": "assistant", "content": "A square."},
+        image("gradient_96x64.png", "And this one?"),
+        {"role": "assistant", "content": "A gradient."},
+        image("tiny_8x8.png", "Which of the three is smallest?"),
+    ],
+    "video": [{"role": "user", "content": [
+        {"type": "video", "video": str(ASSETS / "moving_square_3s.mp4")},
+        {"type": "text", "text": "What moves in this video?"},
+    ]}],
+    "text_only": [{"role": "user", "content": "Tell me about cats."}],
+    # The two images of "two_images" again, after other text: on a warm server the radix cache must not reuse
+    # encoder keys rotated for the earlier positions.
+    "same_images_shifted": [
+        {"role": "system", "content": "You are a careful assistant who looks twice."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "Here are two pictures."},
+            {"type": "image", "image": str(ASSETS / "square_64.png")},
+            {"type": "image", "image": str(ASSETS / "gradient_96x64.png")},
+            {"type": "text", "text": "Compare the two images."},
+        ]},
+    ],
+}
+
+
+def data_url(path: str | Path) -> str:
+    mime = mimetypes.guess_type(str(path))[0] or "application/octet-stream"
+    return f"data:{mime};base64,{base64.b64encode(Path(path).read_bytes()).decode()}"
+
+
+def to_openai(messages: list[dict]) -> list[dict]:
+    """Reference-form messages -> OpenAI chat messages with media inlined as data URLs."""
+    converted = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [_openai_part(part) for part in content]
+        converted.append({"role": message["role"], "content": content})
+    return converted
+
+
+def _openai_part(part: dict) -> dict:
+    if part["type"] == "image":
+        return {"type": "image_url", "image_url": {"url": data_url(part["image"])}}
+    if part["type"] == "video":
+        return {"type": "video_url", "video_url": {"url": data_url(part["video"])}}
+    return part
+
+
+def load_reference(checkpoint: Path):
+    from transformers import AutoModelForCausalLM, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.float32).eval()
+    return model, processor
+
+
+def reference_ids(model, processor, messages: list[dict], max_tokens: int = MAX_TOKENS) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy completion ids) of the reference model, never stopping at EOS."""
+    inputs, _ = model.processor_inputs(processor, {"messages": messages})
+    sequences = model.generate(**inputs, max_new_tokens=max_tokens, eos_token_id=[])
+    prompt_len = inputs["input_ids"].shape[1]
+    return inputs["input_ids"][0].tolist(), sequences[0, prompt_len:].tolist()
+
+
+def served_ids(client, model_name: str, messages: list[dict], **overrides) -> dict:
+    """One non-streamed greedy chat completion -> prompt/completion ids, text and usage."""
+    response = client.chat.completions.create(
+        model=model_name, messages=to_openai(messages), **{**GREEDY, **overrides}, extra_body=TOKEN_IDS
+    )
+    choice = response.choices[0].model_dump()
+    return {
+        "prompt_ids": choice["prompt_token_ids"],
+        "completion_ids": choice["response_token_ids"],
+        "text": response.choices[0].message.content,
+        "usage": response.usage,
+    }
+
+
+def cached_tokens(usage) -> int:
+    details = usage.prompt_tokens_details
+    return (details.cached_tokens or 0) if details is not None else 0

@@ -1,0 +1,155 @@
+"""MOSS-VL served end to end: stock ``python -m sglang.launch_server`` + the plugin, on CPU, tiny checkpoint.
+
+Every answer is compared with the reference transformers model (fp32, greedy) token for token: this is the
+proof that the frame-causal cross-attention mask survives the whole engine (processor, scheduler, radix cache,
+the patched Ascend native attention the CPU server runs). Reference ids are computed before the server starts
+(an idle sglang scheduler keeps a core busy). One server for the whole module, stopped by PID.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from openai import OpenAI
+from PIL import Image
+
+from moss_vl_reference.tiny_checkpoint import build_or_reuse
+from serving.launch import SglangServer
+from serving_support import (
+    CASES,
+    GREEDY,
+    MAX_TOKENS,
+    cached_tokens,
+    load_reference,
+    reference_ids,
+    served_ids,
+    to_openai,
+)
+
+pytestmark = pytest.mark.timeout(900)
+
+# Non-streamed parity cases, in the order they hit the warm server ("same_images_shifted" after "two_images").
+PARITY_ORDER = ["image_data_url", "two_images", "three_turns", "video", "text_only", "same_images_shifted"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return build_or_reuse("tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    model, processor = load_reference(checkpoint)
+    return {name: reference_ids(model, processor, CASES[name]) for name in PARITY_ORDER}
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, reference):
+    with SglangServer(
+        checkpoint, extra_args=["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"], name="test-serving"
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+@pytest.mark.parametrize("case", PARITY_ORDER)
+def test_greedy_tokens_equal_the_reference_model(client, model_name, reference, case):
+    served = served_ids(client, model_name, CASES[case])
+    expected_prompt, expected_completion = reference[case]
+    assert served["prompt_ids"] == expected_prompt, "the server rendered/tokenised another prompt than the reference"
+    assert len(served["completion_ids"]) == MAX_TOKENS >= 8
+    assert served["completion_ids"] == expected_completion
+
+
+def test_same_request_twice_hits_the_radix_cache_with_identical_output(client, model_name, reference):
+    first = served_ids(client, model_name, CASES["image_data_url"])
+    second = served_ids(client, model_name, CASES["image_data_url"])
+    assert cached_tokens(second["usage"]) > 0
+    assert first["completion_ids"] == second["completion_ids"] == reference["image_data_url"][1]
+
+
+def test_streaming_with_usage_equals_the_non_streamed_answer(client, model_name):
+    expected = served_ids(client, model_name, CASES["image_data_url"])
+    stream = client.chat.completions.create(
+        model=model_name, messages=to_openai(CASES["image_data_url"]), **GREEDY, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    pieces, usage_chunks = [], []
+    for chunk in stream:
+        pieces += [choice.delta.content or "" for choice in chunk.choices]
+        if chunk.usage is not None:
+            usage_chunks.append(chunk.usage)
+    assert "".join(pieces) == expected["text"]
+    assert len(usage_chunks) == 1
+    assert usage_chunks[0].completion_tokens == MAX_TOKENS
+    assert usage_chunks[0].prompt_tokens == expected["usage"].prompt_tokens
+
+
+def test_eight_concurrent_mixed_requests_each_equal_the_reference(client, model_name, reference):
+    names = (PARITY_ORDER * 2)[:8]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda name: served_ids(client, model_name, CASES[name]), names))
+    for name, served in zip(names, results):
+        assert served["completion_ids"] == reference[name][1], name
+
+
+def test_models_and_health(server, client, checkpoint):
+    assert [m.id for m in client.models.list().data] == [str(checkpoint)]
+    assert requests.get(f"{server.base_url}/health", timeout=30).status_code == 200
+
+
+def oversized_png() -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (2100, 2100), (10, 20, 30)).save(buffer, format="PNG")  # tiny preset: max_input_pixels 2048²
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def with_image(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}]
+
+
+BAD_REQUESTS = {
+    "invalid_base64": ({"messages": with_image("data:image/png;base64,!!!not-base64***")}, "base64"),
+    "data_url_not_an_image": (
+        {"messages": with_image("data:image/png;base64," + base64.b64encode(b"plain text, no pixels").decode())},
+        "decode",
+    ),
+    "missing_image_path": ({"messages": with_image("file:///nonexistent/dir/cat.png")}, "No such file"),
+    "unreachable_image_url": ({"messages": with_image("http://127.0.0.1:9/cat.png")}, "127.0.0.1"),
+    "unsupported_content_part": (
+        {"messages": [{"role": "user", "content": [{"type": "hologram", "hologram": {"url": "x"}}]}]},
+        "hologram",
+    ),
+    "empty_messages": ({"messages": []}, "empty"),
+    "zero_max_tokens": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    "negative_max_tokens": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, "max_tokens"),
+    "image_over_the_limit": ({"messages": with_image(oversized_png())}, "max_input_pixels"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving(server, client, model_name, case):
+    body, expected_words = BAD_REQUESTS[case]
+    response = requests.post(
+        f"{server.base_url}/v1/chat/completions", json={"model": model_name, **GREEDY, **body}, timeout=300
+    )
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:500])
+    assert expected_words in response.json()["message"]
+    valid = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "still there?"}], max_tokens=2, temperature=0
+    )
+    assert valid.usage.completion_tokens >= 1
+
