@@ -194,7 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--reps", type=int, default=3, help="repetitions per cell (best is kept)")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions per cell (best is kept)")
     args = parser.parse_args()
     if args.reps < 1:
         parser.error("--reps must be >= 1")

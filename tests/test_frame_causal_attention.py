@@ -352,3 +352,18 @@ def test_counts_beyond_frames_and_zero():
     assert encoder_boundaries_from_visible_frames(counts, frame_ends).tolist() == [0, 7, 41, 41, 24]
     assert encoder_boundaries_from_visible_frames(counts, frame_ends, encoder_len=30).tolist() == [0, 7, 30, 30, 24]
     assert encoder_boundaries_from_visible_frames(counts, torch.zeros(0, dtype=torch.int64)).tolist() == [0] * 5
+
+
+def test_bfloat16_inputs_merge_in_float32():
+    """Half-precision q/k/v (the NPU's usual dtype): blocks still merge to the dense result
+    within bf16 rounding, and the output keeps the input dtype."""
+    gen = torch.Generator().manual_seed(8)
+    boundaries = video_prompt_boundaries(num_frames=30, tokens_per_frame=5, rows_per_frame=4, question_rows=20)
+    q, k, v = random_qkv(4, 2, len(boundaries), 150, 16, gen)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    plan = plan_frame_causal_blocks(boundaries, leaf_rows=8)
+    assert len(plan.blocks) > 1
+    out = frame_causal_cross_attention(q, k, v, boundaries, 0.25, plan=plan)
+    assert out.dtype == torch.bfloat16
+    ref = dense_reference(q, k, v, visibility_of(boundaries, 150), 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)

@@ -13,15 +13,16 @@ rectangle; each half's remaining staircase is cut the same way, down to small le
 mask of their own size. Every rectangle is one SDPA call with many rows and no mask, so almost all
 the work runs at unmasked-SDPA speed on visible keys only.
 
-A row's blocks are merged exactly with log-sum-exp weights, obtained from stock SDPA by a *sink*
-key: each block gets one extra key whose logit is a per-row constant ``c`` (an extra query column
-``c / scale`` against a key that is 1 in that column and 0 elsewhere) and whose value is 1 in an
-extra value column. The extra output column is then ``w = e^c / (Z + e^c)`` where ``Z`` is the
-block's softmax normaliser, so ``Z / e^c = (1 - w) / w`` and the block's unnormalised output is
-``out / w``; summing those over a row's blocks and dividing gives exact attention. ``c`` is the
-row's largest logit over the first keys it sees, so ``c <= log(total Z)`` (no precision loss);
-a row whose logits exceed ``c`` by more than fp32's exp range (about 88) would overflow the
-weights, and is detected (non-finite) and recomputed with a dense mask.
+A row's blocks are merged exactly with log-sum-exp weights, obtained from stock SDPA by *sink*
+keys: a sink has logit ``c`` for row ``r`` (an extra query column holding ``c / scale`` against a
+key that is 1 in that column and 0 elsewhere) and a value that is 1 in an extra value column. A
+block holding ``n`` sinks returns ``w = n e^c / (Z + n e^c)`` in that column, ``Z`` being its
+softmax normaliser over real keys, so ``Z / e^c = n / w - n`` and its unnormalised output is
+``out * n / w``; summing those over a row's blocks and dividing gives exact attention. ``c`` is
+the row's largest logit over its first keys less a margin, so ``e^c`` is well below the row's
+total ``Z`` (no cancellation); a row whose logits exceed ``c`` by more than fp32's exp range
+(about 88) would overflow the weights, and is detected (non-finite) and recomputed densely.
+Long rows with few distinct boundaries, e.g. one image, need none of this: one plain SDPA block.
 
 Pure torch, no sglang imports: the same code runs on CPU and, through plain torch ops
 (``scaled_dot_product_attention``, ``matmul``, ``softmax``), on an Ascend NPU.
@@ -232,7 +233,7 @@ def _grouped_by_kv_head(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def _sink_logits(q_grouped: torch.Tensor, k: torch.Tensor, boundaries: torch.Tensor, scale: float) -> torch.Tensor:
     """``[Hk, L, group]``: each row's largest logit over its first visible keys, a lower bound of
-    its log-sum-exp (so merged weights are >= 1 and lose no precision). ``-inf`` if it sees none."""
+    its log-sum-exp. ``-inf`` if it sees none."""
     kv_heads, rows, group, dim = q_grouped.shape
     probe = min(k.shape[1], _SINK_PROBE_KEYS)
     logits = torch.matmul(q_grouped.reshape(kv_heads, rows * group, dim), k[:, :probe].transpose(1, 2))
