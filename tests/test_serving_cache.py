@@ -1,0 +1,101 @@
+"""Radix-cache correctness of the served model: cache on (page size 1 and 128, the NPU page size) and off.
+
+A three-turn conversation whose later turns reuse the first turn's image (so the encoder prefix and the cached
+text are real radix hits, and extends run with a cached text prefix) must equal the reference model on every
+server; the cold server with the cache off is the control. A request whose encoder is longer than one 128-token
+page is sent twice: with page size 128 the radix match ends inside the encoder span and must be dropped
+(stock sglang would trip its whole-encoder assertion), with identical output. One server at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+from PIL import Image
+
+from moss_vl_reference.tiny_checkpoint import build_or_reuse
+from serving.launch import SglangServer
+from serving_support import ASSETS, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
+
+pytestmark = pytest.mark.timeout(900)
+
+BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"]
+SERVERS = {
+    "radix_page1": BASE_ARGS,
+    "radix_page128": BASE_ARGS + ["--page-size", "128"],
+    "radix_off": BASE_ARGS + ["--disable-radix-cache"],
+}
+
+LONG_QUESTION = (
+    "Look at the picture carefully and describe every shape, every colour, where each object sits, how large it "
+    "is compared with the others, whether anything overlaps, and what a person would notice first when looking "
+    "at it for the first time, then say which part of the picture is the brightest and which is the darkest."
+)
+FIRST_TURN = {"role": "user", "content": [
+    {"type": "image", "image": str(ASSETS / "square_64.png")}, {"type": "text", "text": LONG_QUESTION},
+]}
+CONVERSATION_TURNS = [
+    [FIRST_TURN],
+    [FIRST_TURN, {"role": "assistant", "content": "A red square on a dark background."},
+     {"role": "user", "content": "Where exactly is the square?"}],
+    [FIRST_TURN, {"role": "assistant", "content": "A red square on a dark background."},
+     {"role": "user", "content": "Where exactly is the square?"},
+     {"role": "assistant", "content": "In the middle."}, {"role": "user", "content": "And its colour again?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return build_or_reuse("tiny")
+
+
+@pytest.fixture(scope="module")
+def long_encoder_request(tmp_path_factory):
+    """One 512x512 image: 16x16 merged tokens + separator = 257 encoder tokens, more than a 128-token page pair."""
+    path = tmp_path_factory.mktemp("media") / "noise_512.png"
+    Image.effect_noise((512, 512), 64).convert("RGB").save(path)
+    return [{"role": "user", "content": [{"type": "image", "image": str(path)}, {"type": "text", "text": "Describe it."}]}]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, long_encoder_request):
+    model, processor = load_reference(checkpoint)
+    return {
+        "turns": [reference_ids(model, processor, messages) for messages in CONVERSATION_TURNS],
+        "long_encoder": reference_ids(model, processor, long_encoder_request),
+    }
+
+
+@pytest.fixture(scope="module", params=list(SERVERS))
+def served(request, checkpoint, reference):
+    with SglangServer(checkpoint, extra_args=SERVERS[request.param], name=f"test-cache-{request.param}") as server:
+        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=300)
+        yield request.param, client, client.models.list().data[0].id
+
+
+def test_multi_turn_conversation_equals_the_reference(served, reference):
+    config, client, model_name = served
+    answers = [served_ids(client, model_name, messages) for messages in CONVERSATION_TURNS]
+    assert answers[0]["usage"].prompt_tokens > 128 + 1, "turn 1 must span more than a 128-token page"
+    for turn, (answer, (prompt_ids, completion_ids)) in enumerate(zip(answers, reference["turns"])):
+        assert answer["prompt_ids"] == prompt_ids, f"turn {turn}"
+        assert len(answer["completion_ids"]) == MAX_TOKENS
+        assert answer["completion_ids"] == completion_ids, f"{config}: turn {turn} differs from the reference"
+    later_hits = [cached_tokens(answer["usage"]) for answer in answers[1:]]
+    if config == "radix_off":
+        assert later_hits == [0, 0]
+    else:
+        assert all(hit > 0 for hit in later_hits), f"{config}: later turns should reuse the cached prefix: {later_hits}"
+
+
+def test_encoder_longer_than_a_page_twice(served, reference, long_encoder_request):
+    config, client, model_name = served
+    first = served_ids(client, model_name, long_encoder_request)
+    second = served_ids(client, model_name, long_encoder_request)
+    expected = reference["long_encoder"][1]
+    assert first["completion_ids"] == second["completion_ids"] == expected
+    if config == "radix_page128":
+        # 256 of the 257 encoder tokens are page-aligned: a partial encoder must never be reused.
+        assert cached_tokens(second["usage"]) == 0
+    elif config == "radix_page1":
+        assert cached_tokens(second["usage"]) > 257
