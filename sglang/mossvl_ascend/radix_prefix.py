@@ -28,7 +28,8 @@ Catalog entry
 
 **upstream status / when to remove**: open. Remove when sglang truncates prefix matches to
     encoder boundaries itself (or lets ``prepare_encoder_info_extend`` take a partial
-    encoder prefix).
+    encoder prefix). Not applied on CUDA, whose path this project leaves exactly as stock (stock CUDA
+    servers can hit the same assertion with per-image encoder items, e.g. mllama).
 """
 
 from __future__ import annotations
@@ -74,4 +75,9 @@ def match_whole_encoder_or_nothing(
 
 
 def register() -> None:
+    from sglang.srt.utils import is_cuda
+
+    if is_cuda():
+        logger.debug("radix_prefix: CUDA keeps stock prefix matching")
+        return
     HookRegistry.register(_TARGET, match_whole_encoder_or_nothing, HookType.AROUND)
