@@ -42,5 +42,8 @@ serve: setup ## foreground server on 127.0.0.1:$(PORT); override MODEL=, DEVICE=
 	$(if $(filter cpu,$(DEVICE)),$(CPU_ENV)) $(PY) -m sglang.launch_server --model-path $(MODEL) --device $(DEVICE) \
 	  --host 127.0.0.1 --port $(PORT) --trust-remote-code --enable-multimodal --max-total-tokens 16384 $(ARGS)
 
+bench: setup ## cross-attention benchmark: dense packed mask vs per-row boundaries vs the FLOP floor (prints a table)
+	$(CPU_ENV) $(PY) benchmarks/bench_cross_attention.py
+
 clean: ## remove the venv and built artefacts
 	rm -rf $(VENV) build
