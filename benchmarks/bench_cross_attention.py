@@ -12,11 +12,14 @@ Methods, side by side on the same tensors:
 Times are the best of --reps repetitions per cell, the methods interleaved.
 
 Run (CPU): SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=cpu_shim .venv/bin/python benchmarks/bench_cross_attention.py
+Many SDPA calls (b) suffer more than one big call (a, c) when other processes share the cores,
+so the header reports the load average; compare figures taken on an idle machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from types import SimpleNamespace
 
@@ -195,13 +198,17 @@ def main() -> None:
     parser.add_argument("--frames", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--reps", type=int, default=5, help="repetitions per cell (best is kept)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.reps < 1:
         parser.error("--reps must be >= 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     print(
         f"fp32, {NUM_HEADS} query heads / {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.reps}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.reps}, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     rows = [measure(f, b, args.reps) for f in args.frames for b in args.batch]
     print_table(rows)

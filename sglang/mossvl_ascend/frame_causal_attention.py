@@ -41,7 +41,7 @@ from torch.nn.functional import scaled_dot_product_attention
 # A staircase of at most this many rows is one masked leaf instead of being halved further:
 # below it an SDPA call is too small to run near peak and the mask costs less than more calls.
 # Chosen with benchmarks/bench_cross_attention.py on the 2-core CPU; any value is exact.
-LEAF_ROWS = 96
+LEAF_ROWS = 192
 
 # At or above this visible share of its bounding box, a request is one masked SDPA block: the
 # merge's fixed costs (sink keys, wider K/V copies) would outweigh the few keys it skips.
