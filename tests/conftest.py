@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CPU_SHIM = REPO_ROOT / "cpu_shim"
 
@@ -16,3 +18,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 for path in (str(CPU_SHIM), str(REPO_ROOT)):
     if path not in sys.path:
         sys.path.insert(0, path)
+
+
+@pytest.fixture(scope="session")
+def checkpoint() -> Path:
+    """The embedded tiny MOSS-VL checkpoint (built once, then reused)."""
+    from moss_vl_reference.tiny_checkpoint import build_or_reuse
+
+    return build_or_reuse("tiny")
+
+
+@pytest.fixture(scope="session")
+def processor(checkpoint):
+    """The tiny checkpoint's processor, loaded as remote code exactly as users load it."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)

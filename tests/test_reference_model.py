@@ -12,22 +12,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForCausalLM, AutoProcessor
+from transformers import AutoModelForCausalLM
 
 from moss_vl_reference.modeling_moss_vl import additive_bias
-from moss_vl_reference.tiny_checkpoint import build_or_reuse
 
 ASSETS = Path(__file__).parent / "assets"
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    return build_or_reuse("tiny")
-
-
-@pytest.fixture(scope="module")
-def processor(checkpoint):
-    return AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoProcessor
 
-from moss_vl_reference.tiny_checkpoint import build_or_reuse
 
 ASSETS = Path(__file__).parent / "assets"
 VIDEO = ASSETS / "moving_square_3s.mp4"
-
-
-@pytest.fixture(scope="module")
-def processor():
-    return AutoProcessor.from_pretrained(build_or_reuse("tiny"), trust_remote_code=True)
 
 
 def frame_token_count(processor, inputs) -> int:

@@ -6,7 +6,6 @@ and processor-side position/visibility code run unchanged on our checkpoint and 
 """
 
 import logging
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,28 +14,12 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from moss_vl_reference.modeling_moss_vl import compute_xrope_positions
-from moss_vl_reference.tiny_checkpoint import build_or_reuse
+from serving.launch import free_port
 
 ASSETS = Path(__file__).parent / "assets"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    return build_or_reuse("tiny")
-
-
-@pytest.fixture(scope="module")
-def processor(checkpoint):
-    return AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +33,7 @@ def sglang_model(checkpoint):
     unloaded parameter stays visible; returns (model, names of tensors the loader skipped)."""
     from sglang.test.layer_ut_utils import init_single_process_dist
 
-    init_single_process_dist(master_port=_free_port())
+    init_single_process_dist(master_port=free_port())
     from sglang.srt.models.moss_vl import MossVLForConditionalGeneration
 
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)

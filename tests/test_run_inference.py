@@ -19,7 +19,6 @@ import pytest
 
 import device_utils
 from inference import run_inference
-from moss_vl_reference.tiny_checkpoint import build_or_reuse
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO_ROOT / "inference" / "examples"
@@ -261,11 +260,6 @@ def test_a_query_past_its_deadline_fails_alone_and_its_late_text_goes_nowhere(tm
 
 
 # ----------------------------------------------------------------- end to end with the tiny model
-
-
-@pytest.fixture(scope="module")
-def checkpoint() -> Path:
-    return build_or_reuse()
 
 
 def run_cli(checkpoint: Path, input_path: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from starlette.websockets import WebSocketDisconnect
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
 from realtime_inference import run_online_inference as online
 from realtime_inference import video_sources
+from serving.launch import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "realtime_inference" / "run_online_inference.py"
@@ -508,12 +508,6 @@ def test_cli_parses_timed_prompts():
 
 
 # ------------------------------------------------------------------- the service over real uvicorn
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for_health(port: int, process: subprocess.Popen, deadline_s: float = 180.0) -> dict:

@@ -17,7 +17,6 @@ import requests
 from openai import OpenAI
 from PIL import Image
 
-from moss_vl_reference.tiny_checkpoint import build_or_reuse
 from serving.launch import SglangServer
 from serving_support import (
     CASES,
@@ -34,11 +33,6 @@ pytestmark = pytest.mark.timeout(900)
 
 # Non-streamed parity cases, in the order they hit the warm server ("same_images_shifted" after "two_images").
 PARITY_ORDER = ["image_data_url", "two_images", "three_turns", "video", "text_only", "same_images_shifted"]
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    return build_or_reuse("tiny")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
-from moss_vl_reference.tiny_checkpoint import build_or_reuse
 from serving.launch import SglangServer
 from serving_support import ASSETS, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
 
@@ -42,11 +41,6 @@ CONVERSATION_TURNS = [
      {"role": "user", "content": "Where exactly is the square?"},
      {"role": "assistant", "content": "In the middle."}, {"role": "user", "content": "And its colour again?"}],
 ]
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    return build_or_reuse("tiny")
 
 
 @pytest.fixture(scope="module")
