@@ -45,5 +45,8 @@ serve: setup ## foreground server on 127.0.0.1:$(PORT); override MODEL=, DEVICE=
 bench: setup ## cross-attention benchmark: dense packed mask vs per-row boundaries vs the FLOP floor (prints a table)
 	$(CPU_ENV) $(PY) benchmarks/bench_cross_attention.py
 
+bench-serving: setup ## sglang bench_serving (c=1, c=8) vs the reference model one by one, bench preset on CPU (~15 min)
+	$(CPU_ENV) $(PY) -m benchmarks.bench_serving $(ARGS)
+
 clean: ## remove the venv and built artefacts
 	rm -rf $(VENV) build

@@ -3,10 +3,10 @@
 The bench preset (random weights, ~154M parameters) is served on CPU and measured with sglang's own
 ``python -m sglang.bench_serving`` (OpenAI chat backend, image dataset: one random PNG + random text per
 request, fixed input/output lengths, EOS ignored, greedy, ``--flush-cache``) at concurrency 1 and 8, several
-runs each; the table shows medians over runs. Then the TTFT of a second conversation turn (the first turn
-repeated, plus a question) on that server (radix cache on) and on a second one started with
-``--disable-radix-cache``. Last, with every server stopped (an idle sglang scheduler busy-spins a core), the
-same requests (regenerated in-process from the same seed by sglang's image dataset) go one after another
+runs each (after one unmeasured warmup pass); the table shows medians over runs. Then the TTFT of a second
+conversation turn (the first turn repeated, plus a question) with the first turn in the radix cache and, on the
+same server right after ``/flush_cache``, without it. Last, with every server stopped (an idle sglang
+scheduler busy-spins a core), the same requests (regenerated in-process from the same seed by sglang's image dataset) go one after another
 through the reference transformers model, timed end to end including image decoding and the processor.
 
 Run (CPU): make bench-serving   (or: $(CPU_ENV) .venv/bin/python -m benchmarks.bench_serving --help)
@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ TURN2_QUESTION = "What is in the picture? Answer briefly."
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="checkpoint dir (default: build/reuse the bench preset)")
-    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=16, help="requests per run (16 keeps the whole run near 15 min on 2 cores)")
     parser.add_argument("--input-len", type=int, default=64, help="random text tokens per request (before the chat template)")
     parser.add_argument("--output-len", type=int, default=32, help="generated tokens per request (EOS ignored)")
     parser.add_argument("--image-resolution", default="128x128", help="HxW of the one random PNG per request")
@@ -155,18 +156,28 @@ def streamed_ttft(client: OpenAI, model: str, messages: list[dict], max_tokens: 
     return first_text_at - started, "".join(pieces)
 
 
-def turn2_ttfts(server: SglangServer, rows: list, output_len: int) -> list[float]:
-    """TTFT of each conversation's second turn: turn 1 (image + text), its answer, then a new question."""
+def flush_cache(server: SglangServer) -> None:
+    request = urllib.request.Request(f"{server.base_url}/flush_cache", method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        if response.status != 200:
+            raise RuntimeError(f"/flush_cache answered {response.status}")
+
+
+def turn2_ttfts(server: SglangServer, rows: list, output_len: int) -> tuple[list[float], list[float]]:
+    """TTFTs of each conversation's second turn (turn 1 image + text, its answer, a new question): once with turn 1
+    in the radix cache, once right after flushing it. Both on the same server, interleaved, so load drift on a
+    shared machine hits both alike; a flushed cache makes turn 2 prefill everything, as --disable-radix-cache does."""
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed")
     model = client.models.list().data[0].id
-    ttfts = []
+    cached, flushed = [], []
     for row in rows:
         first_turn = chat_messages(row)
         _, answer = streamed_ttft(client, model, first_turn, output_len)
         second_turn = first_turn + [{"role": "assistant", "content": answer}, {"role": "user", "content": TURN2_QUESTION}]
-        ttft, _ = streamed_ttft(client, model, second_turn, output_len)
-        ttfts.append(ttft)
-    return ttfts
+        cached.append(streamed_ttft(client, model, second_turn, output_len)[0])
+        flush_cache(server)
+        flushed.append(streamed_ttft(client, model, second_turn, output_len)[0])
+    return cached, flushed
 
 
 def data_url_bytes(url: str) -> bytes:
@@ -233,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[int, list[dict]] = {}
     with SglangServer(model, extra_args=server_args(args), name="bench-serving") as server:
         startup_radix_on = server.startup_seconds
+        # Unmeasured pass: the first requests of a server compile sglang's torch.compile'd vision helpers.
+        warmup = argparse.Namespace(**{**vars(args), "num_prompts": max(args.concurrency)})
+        run_bench_serving(server, model, warmup, max(args.concurrency), OUT_DIR / "warmup.jsonl")
         for concurrency in args.concurrency:
             for run in range(args.runs):
                 result = run_bench_serving(server, model, args, concurrency, output_file)
@@ -240,9 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info("c=%d run %d: %.2f req/s, %.1f out tok/s", concurrency, run + 1,
                             result["request_throughput"], result["output_throughput"])
         server_input_tokens = runs[args.concurrency[0]][0]["total_input_tokens"] / args.num_prompts
-        ttft_on = turn2_ttfts(server, turn2_rows, args.output_len)
-    with SglangServer(model, extra_args=server_args(args) + ["--disable-radix-cache"], name="bench-serving-noradix") as server:
-        ttft_off = turn2_ttfts(server, turn2_rows, args.output_len)
+        ttft_on, ttft_off = turn2_ttfts(server, turn2_rows, args.output_len)
 
     reference = reference_sequential(model, image_requests(model, args, args.seed), args.output_len)
     reference_rps = reference["request_throughput"]
@@ -257,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     for concurrency, results in runs.items():
         print(f"  c={concurrency} runs req/s: " + ", ".join(f"{r['request_throughput']:.2f}" for r in results))
     on, off = statistics.median(ttft_on) * 1000, statistics.median(ttft_off) * 1000
-    print(f"turn-2 TTFT (median of {args.turn2_reps}): radix on {on:.1f} ms, radix off {off:.1f} ms, off/on {off / on:.2f}x")
+    print(f"turn-2 TTFT (median of {args.turn2_reps}): turn 1 in the radix cache {on:.1f} ms, cache flushed {off:.1f} ms, "
+          f"off/on {off / on:.2f}x")
     print(f"raw bench_serving results: {output_file}")
     print(f"benchmark wall time {time.perf_counter() - wall_started:.0f} s")
     ratios = {c: statistics.median(r["request_throughput"] for r in runs[c]) / reference_rps for c in runs}
