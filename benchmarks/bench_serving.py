@@ -44,7 +44,7 @@ TURN2_QUESTION = "What is in the picture? Answer briefly."
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="checkpoint dir (default: build/reuse the bench preset)")
-    parser.add_argument("--num-prompts", type=int, default=16, help="requests per run (16 keeps the whole run near 15 min on 2 cores)")
+    parser.add_argument("--num-prompts", type=int, default=32, help="requests per run")
     parser.add_argument("--input-len", type=int, default=64, help="random text tokens per request (before the chat template)")
     parser.add_argument("--output-len", type=int, default=32, help="generated tokens per request (EOS ignored)")
     parser.add_argument("--image-resolution", default="128x128", help="HxW of the one random PNG per request")
