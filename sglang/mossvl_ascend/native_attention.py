@@ -75,6 +75,11 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from mossvl_ascend.frame_causal_attention import (
+    encoder_boundaries_from_packed_mask,
+    frame_causal_cross_attention,
+)
+
 NATIVE_EXTEND_TARGET = (
     "sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend."
     "AscendTorchNativeAttnBackend.run_sdpa_forward_extend"
@@ -138,7 +143,7 @@ def cross_attention_for_request(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    visibility: Optional[torch.Tensor],
+    visibility: torch.Tensor,
     *,
     scaling: Optional[float],
     enable_gqa: bool,
@@ -147,10 +152,17 @@ def cross_attention_for_request(
 ) -> torch.Tensor:
     """MOSS-VL cross-attention of one request: new text tokens attend to its encoder tokens.
 
-    Shapes as :func:`masked_attention`; visibility is the request's frame-causal mask
-    (True = attend). Kept as its own entry point so a tiled kernel that exploits the
-    prefix-over-frames structure can replace the dense computation in one place.
+    Shapes as :func:`masked_attention`. ``visibility`` is either int per-row encoder boundaries ``[q_len]``
+    (row ``r`` sees keys ``[0, boundary_r)``: the frame-causal kernel, no dense mask) or, for a packed mask
+    whose rows are not encoder prefixes, a bool ``[q_len, kv_len]`` matrix (True = attend; dense path).
     """
+    if query.shape[1] == 0 or key.shape[1] == 0:  # no new rows, or a request without encoder tokens
+        return query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
+    if visibility.dtype != torch.bool and logit_capping_method == "tanh":
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return frame_causal_cross_attention(query, key, value, visibility, scale, logit_cap=logit_cap)
+    if visibility.dtype != torch.bool:
+        visibility = torch.arange(key.shape[1], device=key.device)[None, :] < visibility[:, None].to(key.device)
     return masked_attention(
         query,
         key,
@@ -172,38 +184,55 @@ def causal_visibility_with_prefix(
     ).tril(diagonal=prefix_len)
 
 
-def packed_mask_slices(
+def request_visibilities(
+    row_boundaries: Optional[torch.Tensor],
     packed_mask: Optional[torch.Tensor],
     extend_seq_lens: list[int],
     encoder_lens: list[int],
-) -> list[Optional[torch.Tensor]]:
-    """Per-request bool visibility ``[extend_seq_len, encoder_len]`` cut from the packed mask.
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Per request, what its new rows see of its encoder: int boundaries ``[extend_seq_len]``, or a bool
+    ``[extend_seq_len, encoder_len]`` matrix for a packed-mask slice that is not prefix-shaped.
 
-    The packed mask is uint8 with 1 = visible; it holds ``extend_seq_len x encoder_len`` entries
-    per request in batch order (none for a request with either length 0). Returns None per
-    request when the batch has no mask (all frames visible).
+    ``row_boundaries`` (int32, :mod:`mossvl_ascend.compact_visibility`: ``extend_seq_len`` entries per request)
+    and the stock packed mask (uint8, 1 = visible, row-major ``extend_seq_len x encoder_len`` per request) both
+    hold entries only for requests with encoder tokens and new rows, in batch order. Neither given: every row
+    sees every frame. A size that disagrees with the batch raises ValueError naming the request and lengths.
     """
-    if packed_mask is None:
-        return [None] * len(extend_seq_lens)
-    slices: list[Optional[torch.Tensor]] = []
-    offset = 0
+    source = row_boundaries if row_boundaries is not None else packed_mask
+    name = "cross_attention_row_boundaries" if row_boundaries is not None else "cross_attention_custom_mask"
+    visibilities, offset = [], 0
     for req_idx, (extend_len, encoder_len) in enumerate(zip(extend_seq_lens, encoder_lens)):
-        size = extend_len * encoder_len
-        if offset + size > packed_mask.numel():
+        if source is None or not (extend_len and encoder_len):
+            visibilities.append(torch.full((extend_len,), encoder_len, dtype=torch.int32, device=device))
+            continue
+        size = extend_len if row_boundaries is not None else extend_len * encoder_len
+        if offset + size > source.numel():
+            need = f"{extend_len} rows" if row_boundaries is not None else f"{extend_len} x encoder_len {encoder_len}"
             raise ValueError(
-                f"cross_attention_custom_mask too short at request {req_idx}: needs "
-                f"extend_seq_len {extend_len} x encoder_len {encoder_len} = {size} entries "
-                f"at offset {offset}, mask has {packed_mask.numel()} entries"
+                f"{name} too short at request {req_idx}: needs extend_seq_len {need} = {size} entries at "
+                f"offset {offset}, it has {source.numel()} (encoder_len {encoder_len})"
             )
-        slices.append(packed_mask[offset : offset + size].view(extend_len, encoder_len).bool())
+        chunk = source[offset : offset + size]
+        visibilities.append(
+            chunk.to(device) if row_boundaries is not None else packed_slice_visibility(chunk, extend_len, encoder_len)
+        )
         offset += size
-    if offset != packed_mask.numel():
+    if source is not None and offset != source.numel():
+        per_request = "extend_seq_lens" if row_boundaries is not None else "extend_seq_len x encoder_len products"
         raise ValueError(
-            f"cross_attention_custom_mask has {packed_mask.numel()} entries but the batch's "
-            f"extend_seq_len x encoder_len products sum to {offset} "
+            f"{name} has {source.numel()} entries but the batch's {per_request} sum to {offset} "
             f"(extend_seq_lens {extend_seq_lens}, encoder_lens {encoder_lens})"
         )
-    return slices
+    return visibilities
+
+
+def packed_slice_visibility(mask_slice: torch.Tensor, extend_len: int, encoder_len: int) -> torch.Tensor:
+    """Boundaries of a stock packed-mask slice; its bool matrix if some row is not an encoder prefix."""
+    try:
+        return encoder_boundaries_from_packed_mask(mask_slice, extend_len, encoder_len)
+    except ValueError:
+        return mask_slice.view(extend_len, encoder_len).bool()
 
 
 def _gather_kv(k_cache, v_cache, slots, full_to_swa_mapping, dtype):
@@ -229,6 +258,7 @@ def encoder_decoder_extend(
     *,
     is_cross_attention: bool,
     cross_attention_custom_mask: Optional[torch.Tensor] = None,
+    cross_attention_row_boundaries: Optional[torch.Tensor] = None,
     scaling: Optional[float] = None,
     enable_gqa: bool = False,
     causal: bool = True,
@@ -246,7 +276,9 @@ def encoder_decoder_extend(
     text_lens = seq_lens.tolist()
     enc_lens = encoder_lens.tolist()
     visibilities = (
-        packed_mask_slices(cross_attention_custom_mask, extend_lens, enc_lens)
+        request_visibilities(
+            cross_attention_row_boundaries, cross_attention_custom_mask, extend_lens, enc_lens, query.device
+        )
         if is_cross_attention
         else None
     )
@@ -307,25 +339,28 @@ def encoder_decoder_extend(
 
 
 def _route_encoder_batches_extend(
-    original, backend, *args, cross_attention_custom_mask=None, **kwargs
+    original, backend, *args, cross_attention_custom_mask=None, cross_attention_row_boundaries=None, **kwargs
 ):
     """AROUND hook: encoder-decoder batches get :func:`encoder_decoder_extend`, others stock.
 
     Arguments are bound against the stock signature, so callers may pass them positionally or
-    by keyword exactly as for the stock method; ``cross_attention_custom_mask`` is the one added.
+    by keyword exactly as for the stock method; ``cross_attention_custom_mask`` (stock packed mask) and
+    ``cross_attention_row_boundaries`` (:mod:`mossvl_ascend.compact_visibility`) are the ones added.
     """
     stock_args = inspect.signature(original).bind(backend, *args, **kwargs)
     stock_args.apply_defaults()
     params = dict(stock_args.arguments)
     if params["encoder_lens"] is None:
-        if cross_attention_custom_mask is not None:
-            raise ValueError("cross_attention_custom_mask given for a batch without encoder_lens")
+        if cross_attention_custom_mask is not None or cross_attention_row_boundaries is not None:
+            raise ValueError("cross-attention visibility given for a batch without encoder_lens")
         return original(backend, *args, **kwargs)
     del params["self"]
     # Stock applies no sliding window to encoder batches either.
     del params["sliding_window_size"]
     return encoder_decoder_extend(
-        **params, cross_attention_custom_mask=cross_attention_custom_mask
+        **params,
+        cross_attention_custom_mask=cross_attention_custom_mask,
+        cross_attention_row_boundaries=cross_attention_row_boundaries,
     )
 
 
@@ -391,6 +426,7 @@ def encoder_decoder_attention(
         logit_cap=layer.logit_cap,
         logit_capping_method=layer.logit_capping_method,
         cross_attention_custom_mask=forward_batch.cross_attention_custom_mask,
+        cross_attention_row_boundaries=getattr(forward_batch, "cross_attention_row_boundaries", None),
     )
     return output.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
