@@ -18,7 +18,8 @@ Server arguments (``server_args``)
      radix cache off with one log line unless ``MOSSVL_NPU_ENABLE_RADIX_CACHE=1``, decode graphs off,
      ``ASCEND_USE_FIA``/``ASCEND_USE_FA`` refused; ``--device cpu``: torch_native.
      target ``arg_groups.model_override_base._invoke_provider`` — hook.
-Attention (``native_attention``, ``ascend_backend``, ``cpu_attention``, ``frame_causal_attention``)
+Attention (``native_attention``, ``ascend_backend``, ``cpu_attention``, ``compact_visibility``,
+``frame_causal_attention``)
   2. Cross-attention mask built on every extend whatever the prefill backend.
      target ``models.moss_vl.MossVLForConditionalGeneration.prepare_forward_batch`` — already correct.
   3. Native extend consumes ``cross_attention_custom_mask`` (new-token queries only, running offset,
@@ -30,6 +31,10 @@ Attention (``native_attention``, ``ascend_backend``, ``cpu_attention``, ``frame_
      same target — hook.
   5. Decode cross-attention with cached encoder K/V (k = v = None: no write, all frames visible).
      ``AscendAttnBackend.forward_decode`` — already correct (pinned), routed through the same math.
+ 12. Frame visibility as one int32 boundary per text row instead of the dense packed mask; cross-attention
+     computed from it without a full-size mask (``compact_visibility`` + ``frame_causal_attention``).
+     target ``models.moss_vl.MossVLForConditionalGeneration.prepare_forward_batch`` — hook (an optimisation;
+     CUDA keeps the packed mask for flashinfer; packed masks from other producers still work).
   9. CPU servers run MOSS-VL attention through the patched Ascend native math.
      target ``layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend``/``forward_decode``
      — hook (a test-harness route).
