@@ -107,6 +107,7 @@ def test_plan_blocks_cover_every_visible_pair_exactly_once(leaf_rows):
     plan = plan_frame_causal_blocks(boundaries, leaf_rows=leaf_rows)
     assert torch.equal(plan.sorted_boundaries, boundaries.sort(stable=True).values)
     assert torch.equal(boundaries[plan.order], plan.sorted_boundaries)
+    assert plan_frame_causal_blocks(plan.sorted_boundaries).order is None
     expected = visibility_of(plan.sorted_boundaries, 100).to(torch.int64)
     assert torch.equal(coverage_of(plan, 100), expected)
     if leaf_rows == 10_000:

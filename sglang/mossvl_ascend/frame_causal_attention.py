@@ -134,12 +134,12 @@ class FrameCausalPlan:
     """How one request's rows are computed; depends on the boundaries only, so one plan serves
     every cross-attention layer of a forward pass.
 
-    ``order`` sorts rows by boundary (stable); ``sorted_boundaries`` is ``boundaries[order]``
-    (int64); rows with boundary 0 are in no block and stay zero. The blocks cover every visible
-    (row, key) pair exactly once.
+    ``order`` sorts rows by boundary (stable), None when they already are (the usual prompt, no
+    gather needed); ``sorted_boundaries`` is ``boundaries[order]`` (int64); rows with boundary 0
+    are in no block and stay zero. The blocks cover every visible (row, key) pair exactly once.
     """
 
-    order: torch.Tensor
+    order: torch.Tensor | None
     sorted_boundaries: torch.Tensor
     blocks: tuple[Block, ...]
 
@@ -173,6 +173,8 @@ def plan_frame_causal_blocks(boundaries: torch.Tensor, leaf_rows: int = LEAF_ROW
     """
     boundaries = torch.as_tensor(boundaries).to(torch.int64)
     sorted_boundaries, order = torch.sort(boundaries, stable=True)
+    if torch.equal(sorted_boundaries, boundaries):
+        order = None
     sorted_list = sorted_boundaries.tolist()
     first_seen = bisect_right(sorted_list, 0)
     rows, largest = len(sorted_list) - first_seen, (sorted_list[-1] if sorted_list else 0)
@@ -276,26 +278,27 @@ def frame_causal_cross_attention(
         plan = plan_frame_causal_blocks(boundaries)
     if q_len and int(plan.sorted_boundaries[-1]) > k.shape[1]:
         raise ValueError(f"boundary {int(plan.sorted_boundaries[-1])} beyond encoder length {k.shape[1]}")
-    order = plan.order.to(q.device)
     sorted_boundaries = plan.sorted_boundaries.to(q.device)
-    q_sorted = q.index_select(1, order)
+    order = None if plan.order is None else plan.order.to(q.device)
+    q_sorted = q if order is None else q.index_select(1, order)
     if logit_cap > 0:
         out_sorted = _dense_rows_attention(q_sorted, k, v, sorted_boundaries, scale, logit_cap)
     elif len(plan.blocks) == 1:
         out_sorted = _single_block_attention(q_sorted, k, v, sorted_boundaries, plan.blocks[0], scale)
     else:
         out_sorted = _merged_blocks_attention(q_sorted, k, v, sorted_boundaries, plan.blocks, scale)
+    if order is None:
+        return out_sorted
     return torch.empty_like(out_sorted).index_copy_(1, order, out_sorted)
 
 
 def _single_block_attention(q, k, v, sorted_boundaries, block: Block, scale: float) -> torch.Tensor:
     """One block covers every visible pair (an image, one run, a short prompt): plain SDPA."""
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     rows = slice(block.row_start, block.row_end)
     visible = None
     if block.masked:
         visible = torch.arange(block.key_end, device=q.device)[None, :] < sorted_boundaries[rows, None]
-    out[:, rows] = scaled_dot_product_attention(
+    block_out = scaled_dot_product_attention(
         q[:, rows],
         k[:, : block.key_end],
         v[:, : block.key_end],
@@ -303,6 +306,10 @@ def _single_block_attention(q, k, v, sorted_boundaries, block: Block, scale: flo
         scale=scale,
         enable_gqa=q.shape[0] != k.shape[0],
     )
+    if block.row_start == 0:
+        return block_out
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    out[:, rows] = block_out
     return out
 
 
