@@ -130,7 +130,8 @@ def metadata_bytes(metadata) -> int:
     for boundaries, plan in metadata:
         total += boundaries.numel() * boundaries.element_size()
         for tensor in (plan.order, plan.sorted_boundaries):
-            total += tensor.numel() * tensor.element_size()
+            if tensor is not None:  # no order when the rows are already sorted
+                total += tensor.numel() * tensor.element_size()
         total += 20 * len(plan.blocks)
     return total
 
