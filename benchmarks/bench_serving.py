@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--image-resolution", default="128x128", help="HxW of the one random PNG per request")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--runs", type=int, default=3, help="bench_serving runs per concurrency (medians)")
-    parser.add_argument("--turn2-reps", type=int, default=5, help="two-turn conversations per radix setting")
+    parser.add_argument("--turn2-reps", type=int, default=5, help="two-turn conversations; turn 2 of each is sent cached, then flushed")
     parser.add_argument("--seed", type=int, default=42, help="bench_serving's --seed; the reference regenerates the same requests")
     parser.add_argument("--server-arg", action="append", default=[], help="extra launch_server flag (repeatable)")
     return parser.parse_args(argv)
@@ -157,7 +157,8 @@ def streamed_ttft(client: OpenAI, model: str, messages: list[dict], max_tokens: 
 
 
 def flush_cache(server: SglangServer) -> None:
-    request = urllib.request.Request(f"{server.base_url}/flush_cache", method="POST")
+    # With a timeout the server waits for the just-finished request to leave the batch instead of refusing (400).
+    request = urllib.request.Request(f"{server.base_url}/flush_cache?timeout=60", method="POST")
     with urllib.request.urlopen(request, timeout=60) as response:
         if response.status != 200:
             raise RuntimeError(f"/flush_cache answered {response.status}")
@@ -199,7 +200,7 @@ def reference_sequential(model_dir: Path, rows: list, output_len: int) -> dict:
         with torch.inference_mode():
             sequences = model.generate(**inputs, max_new_tokens=output_len, do_sample=False, eos_token_id=[])
         prompt_len = inputs["input_ids"].shape[1]
-        processor.decode(sequences[0, prompt_len:], skip_special_tokens=True)
+        processor.decode(sequences[0, prompt_len:], skip_special_tokens=True)  # a server detokenizes too
         return prompt_len, sequences.shape[1] - prompt_len
 
     answer(rows[0])
