@@ -13,20 +13,26 @@ Times are the best of --reps repetitions per cell, the methods interleaved.
 
 Run (CPU): SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=cpu_shim .venv/bin/python benchmarks/bench_cross_attention.py
 Many SDPA calls (b) suffer more than one big call (a, c) when other processes share the cores,
-so the header reports the load average; compare figures taken on an idle machine.
+so the header reports the load average and OMP_WAIT_POLICY (PASSIVE unless set).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import time
-from types import SimpleNamespace
 
-import torch
+# Before torch starts OpenMP: on a shared machine, threads that spin while waiting at the end of
+# each parallel region take the CPU from the thread they wait for, which taxes every op and so
+# penalises (b)'s many SDPA calls far more than one big call. Passive waiting measures compute.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import torch  # noqa: E402
 from torch.nn.functional import scaled_dot_product_attention
 
-from mossvl_ascend.frame_causal_attention import (
+from mossvl_ascend.frame_causal_attention import (  # noqa: E402
     encoder_boundaries_from_visible_frames,
     frame_causal_cross_attention,
     frame_ends_from_grid_thw,
@@ -209,6 +215,7 @@ def main() -> None:
     print(
         f"fp32, {NUM_HEADS} query heads / {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.reps}, "
+        f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     rows = [measure(f, b, args.reps) for f in args.frames for b in args.batch]
