@@ -280,7 +280,13 @@ def batch_of_requests():
         # no new rows: contributes nothing
         dict(grid_thw=[[2, 2, 2]], visible_frame_counts=counts(6, 2), prefix_len=6, q_len=0, kv_len=4),
         # unsorted counts, no prefix
-        dict(grid_thw=[[3, 4, 4]], visible_frame_counts=torch.tensor([3, 0, 1, 2, 0, 3, 4], dtype=torch.int32), prefix_len=0, q_len=7, kv_len=15),
+        dict(
+            grid_thw=[[3, 4, 4]],
+            visible_frame_counts=torch.tensor([3, 0, 1, 2, 0, 3, 4], dtype=torch.int32),
+            prefix_len=0,
+            q_len=7,
+            kv_len=15,
+        ),
         # encoder shorter than the frames (stock clamps frame ranges to kv_len)
         dict(grid_thw=[[3, 4, 4]], visible_frame_counts=counts(9, 3), prefix_len=2, q_len=6, kv_len=12),
     ]

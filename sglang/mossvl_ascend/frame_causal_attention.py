@@ -180,7 +180,8 @@ def plan_frame_causal_blocks(boundaries: torch.Tensor, leaf_rows: int = LEAF_ROW
     rows, largest = len(sorted_list) - first_seen, (sorted_list[-1] if sorted_list else 0)
     blocks: list[Block] = []
     if rows and sum(sorted_list[first_seen:]) >= DENSE_VISIBLE_FRACTION * rows * largest:
-        blocks.append(Block(first_seen, len(sorted_list), 0, largest, masked=sorted_list[first_seen] != largest))
+        masked = sorted_list[first_seen] != largest
+        blocks.append(Block(first_seen, len(sorted_list), 0, largest, masked=masked))
     else:
         _cover_staircase(sorted_list, first_seen, len(sorted_list), 0, max(1, leaf_rows), blocks)
     return FrameCausalPlan(order=order, sorted_boundaries=sorted_boundaries, blocks=tuple(blocks))
@@ -233,7 +234,9 @@ def _grouped_by_kv_head(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.view(kv_heads, num_heads // kv_heads, rows, dim).transpose(1, 2)
 
 
-def _sink_logits(q_grouped: torch.Tensor, k: torch.Tensor, boundaries: torch.Tensor, scale: float) -> torch.Tensor:
+def _sink_logits(
+    q_grouped: torch.Tensor, k: torch.Tensor, boundaries: torch.Tensor, scale: float
+) -> torch.Tensor:
     """``[Hk, L, group]``: each row's largest logit over its first visible keys, a lower bound of
     its log-sum-exp. ``-inf`` if it sees none."""
     kv_heads, rows, group, dim = q_grouped.shape
