@@ -56,33 +56,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def with_special_tokens_marked(model: Path) -> Path:
-    """``model``, or a view of it (symlinks + a tokenizer_config.json) that lists its added special tokens.
-
-    bench_serving's random prompt text samples every token id outside ``tokenizer.all_special_ids``. A tokenizer
-    config that does not list ``<|image|>``, ``<|image_pad|>``... as special lets those land in the "text", which
-    then fails as an extra image placeholder. Real MOSS-VL tokenizers list them; the view covers checkpoints that
-    do not (the bench preset builder, as of this writing).
-    """
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    if config.get("extra_special_tokens") or config.get("additional_special_tokens"):
-        return model
-    added = json.loads((model / "tokenizer.json").read_text())["added_tokens"]
-    named = {config.get("eos_token"), config.get("pad_token"), config.get("bos_token"), config.get("unk_token")}
-    config["extra_special_tokens"] = [t["content"] for t in added if t["special"] and t["content"] not in named]
-    view = OUT_DIR / f"{model.name}-special-tokens"
-    if view.exists():
-        for entry in view.iterdir():
-            entry.unlink()
-    view.mkdir(parents=True, exist_ok=True)
-    for entry in model.iterdir():
-        if entry.name != "tokenizer_config.json":
-            (view / entry.name).symlink_to(entry)
-    (view / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    logger.warning("%s does not list its special tokens; serving the view %s that does", model, view)
-    return view
-
-
 def server_args(args: argparse.Namespace) -> list[str]:
     # CPU serving needs fp32; bench_serving sends its own warmup request, so the server's is skipped.
     return ["--dtype", "float32", "--skip-server-warmup", *args.server_arg]
@@ -238,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         from moss_vl_reference.tiny_checkpoint import build_or_reuse
 
         args.model = build_or_reuse("bench")
-    model = with_special_tokens_marked(args.model.resolve())
+    model = args.model.resolve()
     output_file = OUT_DIR / f"results-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     turn2_rows = image_requests(model, argparse.Namespace(**{**vars(args), "num_prompts": args.turn2_reps}), args.seed + 1)
 

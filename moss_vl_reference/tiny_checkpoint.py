@@ -101,10 +101,14 @@ def build_tokenizer(vocab_size: int):
         show_progress=False,
     )
     backend.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    named = {"<|im_end|>", "<|endoftext|>"}
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
+        # Listed so `all_special_ids` covers every control token, as in real MOSS-VL tokenizers (random-text
+        # generators such as sglang's bench_serving must never sample an image placeholder).
+        extra_special_tokens=[token for token in SPECIAL_TOKENS if token not in named],
         chat_template=CHAT_TEMPLATE,
         padding_side="left",
     )

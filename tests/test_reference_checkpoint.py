@@ -66,3 +66,10 @@ def test_loads_offline_with_remote_code_and_special_token_ids_match_config():
         assert tokenizer(f"a{token}b", add_special_tokens=False)["input_ids"][1:-1] == [ids[token]]
     assert tokenizer("", add_special_tokens=True)["input_ids"] == []  # sglang: no auto-added BOS
     assert model.config.text_config.vocab_size >= len(tokenizer)
+
+
+def test_every_control_token_is_a_special_token(processor):
+    """Random-text generators (sglang's bench_serving) sample outside all_special_ids: placeholders must be in it."""
+    tokenizer = processor.tokenizer
+    assert set(tokenizer.all_special_tokens) == set(SPECIAL_TOKENS)
+    assert tokenizer.convert_tokens_to_ids("<|image|>") in tokenizer.all_special_ids
