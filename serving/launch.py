@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CPU_SHIM = REPO_ROOT / "cpu_shim"
+PLUGIN_SRC = REPO_ROOT / "sglang"
 LOG_DIR = REPO_ROOT / "build" / "logs"
 DEFAULT_MAX_TOTAL_TOKENS = 16384
 
@@ -35,6 +36,8 @@ def free_port() -> int:
 def engine_env(device: str) -> dict[str, str]:
     """The process environment for a server on ``device``; CPU gets the CPU-engine settings."""
     env = dict(os.environ)
+    # This tree's plugin ahead of the editable install, so a git worktree serves its own code.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_SRC), env.get("PYTHONPATH", "")) if p)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     if device == "cpu":

@@ -28,7 +28,7 @@ print("PROBE" + json.dumps({"ours": ours, "unapplied": [t for t in ours if t not
 
 def run_probe(extra_env: dict[str, str]) -> tuple[dict, str]:
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
-    env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=str(REPO_ROOT / "cpu_shim"), **extra_env)
+    env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "sglang"), str(REPO_ROOT / "cpu_shim")]), **extra_env)
     proc = subprocess.run(
         [sys.executable, "-c", PROBE], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240
     )
