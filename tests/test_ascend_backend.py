@@ -31,6 +31,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from fake_torch_npu import installed_fake_torch_npu
 from mossvl_ascend import ascend_backend as ascend_hooks
 from mossvl_ascend import native_attention
+from support.hooks import patches_applied
 from test_native_attention import (
     ROUTE_HEADS,
     SCALE,
@@ -42,7 +43,6 @@ from test_native_attention import (
     check_extend_self_with_cached_prefix,
     cross_extend_of_one_request,
     example_requests,
-    hooks_applied,
     load_batch_into_pools,
     make_forward_batch,
     make_layers,
@@ -71,7 +71,7 @@ def npu_modules():
 
 @pytest.fixture
 def hooked(npu_modules):
-    with hooks_applied(native_attention.register, ascend_hooks.register):
+    with patches_applied(*native_attention.PATCHES, *ascend_hooks.PATCHES):
         yield npu_modules
 
 

@@ -10,13 +10,13 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models.moss_vl import MossVLForConditionalGeneration
 
 from mossvl_ascend import compact_visibility, native_attention
+from support.hooks import patches_applied
 from test_native_attention import (
     SCALE,
     Request,
     _moss_vl_extend_batch,
     build_batch,
     example_requests,
-    hooks_applied,
     reference_attention,
     reference_cross_extend,
     run_native_extend,
@@ -36,7 +36,7 @@ REQUESTS = [
 
 @pytest.fixture(scope="module")
 def hooked():
-    with hooks_applied(native_attention.register, compact_visibility.register):
+    with patches_applied(*native_attention.PATCHES, *compact_visibility.PATCHES):
         model = object.__new__(MossVLForConditionalGeneration)
         model.spatial_merge_size = MERGE
         yield model

@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from mossvl_ascend import cpu_attention, native_attention
+from support.hooks import patches_applied
 from test_native_attention import (
     ROUTE_HEADS,
     SCALE,
@@ -31,7 +32,6 @@ from test_native_attention import (
     check_extend_cross_writes_new_encoder_and_applies_mask,
     check_extend_self_with_cached_prefix,
     cross_extend_of_one_request,
-    hooks_applied,
     load_batch_into_pools,
     make_forward_batch,
     make_layers,
@@ -55,7 +55,7 @@ def make_cpu_route():
 
 @pytest.fixture
 def route():
-    with hooks_applied(native_attention.register, cpu_attention.register):
+    with patches_applied(*native_attention.PATCHES, *cpu_attention.PATCHES):
         yield make_cpu_route()
 
 
@@ -120,12 +120,10 @@ def test_stock_torch_native_drops_the_frame_mask():
     assert not torch.allclose(out, reference_cross_extend(batch, SCALE), atol=1e-3)
 
 
-def test_torch_native_on_other_devices_keeps_stock_behaviour(route):
-    """The route is CPU-only: a torch_native backend on another device runs stock (no mask)."""
-    backend, pool, req_to_token_pool = route
-    backend.device = "cuda"  # only the routing decision reads it; tensors stay on the CPU
-    out, batch = cross_extend_of_one_request(backend, pool, req_to_token_pool)
-    req = batch.requests[0]
-    all_frames = torch.ones(req.extend_len, req.encoder_len, dtype=torch.bool)
-    expected = reference_attention(batch.query, batch.encoder_k[0], batch.encoder_v[0], all_frames, SCALE)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+def test_route_is_applied_on_cpu_hosts_only():
+    """GPU hosts keep stock torch_native; on an NPU host MOSS-VL runs the Ascend backend, not this route."""
+    from mossvl_ascend.registry import CPU, NPU, patches_for
+
+    assert patches_for("gpu", cpu_attention.PATCHES) == []
+    assert patches_for(NPU, cpu_attention.PATCHES) == []
+    assert patches_for(CPU, cpu_attention.PATCHES) == list(cpu_attention.PATCHES)

@@ -9,25 +9,21 @@ from array import array
 import pytest
 import torch
 
+from support.hooks import patches_applied
+
 
 @pytest.fixture(scope="module")
 def hooked():
     from sglang.srt.models.moss_vl import MossVLForConditionalGeneration
-    from sglang.srt.plugins.hook_registry import HookRegistry
 
     from mossvl_ascend import encoder_cache_key
 
-    stock = MossVLForConditionalGeneration.__dict__["_build_encoder_prefix_pad_ids"]
-    HookRegistry.reset()
-    encoder_cache_key.register()
-    HookRegistry.apply_hooks()
-    model = object.__new__(MossVLForConditionalGeneration)  # pad helpers read only these two attributes
-    torch.nn.Module.__init__(model)
-    model.spatial_merge_size = 2
-    model.vision_seq_pad_multiple = 1
-    yield model
-    HookRegistry.reset()
-    MossVLForConditionalGeneration._build_encoder_prefix_pad_ids = stock
+    with patches_applied(*encoder_cache_key.PATCHES):
+        model = object.__new__(MossVLForConditionalGeneration)  # pad helpers read only these two attributes
+        torch.nn.Module.__init__(model)
+        model.spatial_merge_size = 2
+        model.vision_seq_pad_multiple = 1
+        yield model
 
 
 def mm_inputs(pixel_seed: int, vision_position_ids):

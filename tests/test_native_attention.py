@@ -30,6 +30,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.plugins.hook_registry import HookRegistry
 
 from mossvl_ascend import native_attention
+from support.hooks import patches_applied
 
 HEAD_DIM = 8
 POOL_SLOTS = 400
@@ -38,34 +39,9 @@ POOL_SLOTS = 400
 # ----------------------------------------------------------------------------- hooks
 
 
-@contextlib.contextmanager
-def hooks_applied(*register_fns):
-    """Register and apply hooks through sglang's HookRegistry; restore the originals on exit."""
-    saved_hooks = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
-    saved_patched = set(HookRegistry._patched)
-    HookRegistry.reset()
-    for register in register_fns:
-        register()
-    originals = []
-    for target in HookRegistry._hooks:
-        owner_path, attr = target.rsplit(".", 1)
-        owner = pkgutil.resolve_name(owner_path)
-        originals.append((owner, attr, owner.__dict__[attr]))
-    HookRegistry.apply_hooks()
-    assert HookRegistry._patched == set(HookRegistry._hooks), "a hook failed to apply"
-    try:
-        yield
-    finally:
-        for owner, attr, original in originals:
-            setattr(owner, attr, original)
-        HookRegistry.reset()
-        HookRegistry._hooks.update(saved_hooks)
-        HookRegistry._patched.update(saved_patched)
-
-
 @pytest.fixture(scope="module")
 def patched_native():
-    with hooks_applied(native_attention.register):
+    with patches_applied(*native_attention.PATCHES):
         yield AscendTorchNativeAttnBackend()
 
 

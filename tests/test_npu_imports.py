@@ -87,7 +87,8 @@ SIMULATED_NPU_PRELUDE = textwrap.dedent(
 
     if config["register_plugin"]:
         from mossvl_ascend import npu_imports
-        npu_imports.register()
+        from mossvl_ascend.registry import apply_patches
+        apply_patches(patches=npu_imports.PATCHES)
 
     import importlib
     imported = {}
@@ -117,7 +118,7 @@ REPORT = textwrap.dedent(
 
 def run_python(code, *argv):
     """Run ``code`` in a fresh interpreter with the CPU engine environment (see conftest)."""
-    python_path = os.pathsep.join([str(REPO_ROOT / "cpu_shim"), str(REPO_ROOT)])
+    python_path = os.pathsep.join([str(REPO_ROOT / "sglang"), str(REPO_ROOT / "cpu_shim"), str(REPO_ROOT)])
     return subprocess.run(
         [sys.executable, "-c", code, *argv],
         capture_output=True,
@@ -171,9 +172,11 @@ def test_plugin_unblocks_startup_imports_with_one_warning(tmp_path):
     assert "triton.language.extra.cann" in report["plugin_warnings"][0]
 
 
-def test_register_is_a_no_op_off_npu():
+def test_fallback_is_not_applied_off_npu():
+    from mossvl_ascend.registry import apply_patches
+
     before = sys.modules.get(npu_imports.KERNEL_MODULE)
-    npu_imports.register()  # this CPU host: is_npu() is False
+    assert apply_patches(patches=npu_imports.PATCHES) == []  # this CPU host: is_npu() is False
     assert sys.modules.get(npu_imports.KERNEL_MODULE) is before
 
 

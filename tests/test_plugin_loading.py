@@ -42,13 +42,22 @@ def test_entry_point_is_registered():
     assert names.get("mossvl_ascend") == "mossvl_ascend:register"
 
 
-def test_load_plugins_executes_register_and_applies_every_hook():
+def cpu_hook_patches():
+    """The catalog's hook patches for the CPU platform that need no extra module (no torch_npu here)."""
+    from mossvl_ascend.registry import CPU, IMPORT_FALLBACK, all_patches
+
+    return [p for p in all_patches() if CPU in p.platforms and p.kind != IMPORT_FALLBACK and p.requires_module is None]
+
+
+def test_load_plugins_applies_exactly_the_catalog_hooks_for_cpu():
     report, log = run_probe({})
     assert "Executed general plugin: mossvl_ascend" in log
     assert "Failed to execute general plugin: mossvl_ascend" not in log
     assert report["unapplied"] == [], f"hooks registered but not applied: {report['unapplied']}\n{log[-3000:]}"
-    if report["modules"]:
-        assert report["ours"], "patch modules are listed but registered no hook"
+    expected = cpu_hook_patches()
+    assert report["ours"] == sorted({p.target for p in expected})
+    for patch in expected:  # one log line per applied patch
+        assert f"mossvl_ascend: {patch.title}: {patch.kind.value} hook on {patch.target}" in log
 
 
 def test_sglang_plugins_whitelist_excludes_us():

@@ -14,17 +14,16 @@ from array import array
 
 import pytest
 
-from sglang.srt.plugins.hook_registry import HookRegistry
-
 from mossvl_ascend import radix_prefix
+from support.hooks import patches_applied
 
 ENCODER_LEN = 200
 
 
 @pytest.fixture(scope="module", autouse=True)
 def plugin_hook_applied():
-    radix_prefix.register()
-    HookRegistry.apply_hooks()
+    with patches_applied(*radix_prefix.PATCHES):
+        yield
 
 
 def make_req(rid, token_ids, encoder_len):

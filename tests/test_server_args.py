@@ -1,7 +1,7 @@
 """Server-argument resolution for MOSS-VL on npu / cpu / cuda, through real sglang resolution.
 
 The plugin's server-args hook is registered and applied exactly as sglang's plugin loader
-does (``register()`` then ``HookRegistry.apply_hooks()``); each case parses a command line with
+does (the patch records, then ``HookRegistry.apply_hooks()``, restored afterwards); each case parses a command line with
 ``prepare_server_args`` and runs the real resolution pipeline (``resolve_once``).
 
 Stand-ins: this machine has no NPU and no ``torch_npu``. Stock NPU resolution reads the
@@ -18,6 +18,7 @@ import pytest
 from sglang.srt.plugins.hook_registry import HookRegistry
 
 from mossvl_ascend import server_args as mossvl_server_args
+from support.hooks import patches_applied
 
 SOURCE_PR_COMMAND = [
     "--device", "npu",
@@ -34,8 +35,8 @@ FLASHINFER_ASSERTION = "requires flashinfer prefill attention backend"
 
 @pytest.fixture(scope="module", autouse=True)
 def plugin_hook_applied():
-    mossvl_server_args.register()
-    HookRegistry.apply_hooks()
+    with patches_applied(*mossvl_server_args.PATCHES):
+        yield
 
 
 @pytest.fixture

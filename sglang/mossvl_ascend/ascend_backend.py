@@ -1,51 +1,16 @@
-"""MOSS-VL batches in the Ascend attention backend (issue 4, items 3 and 5).
+"""MOSS-VL batches in the Ascend attention backend go to the encoder-aware native math.
 
-Catalog
--------
-**Hook: encoder-decoder batches in** ``AscendAttnBackend.forward_extend`` **and**
-``forward_decode`` (items 3 and 5)
-
-- *target*: ``sglang.srt.hardware_backend.npu.attention.ascend_backend.AscendAttnBackend.``
-  ``forward_extend`` and ``.forward_decode`` (AROUND).
-- *why*: stock 0.5.23 calls ``AscendTorchNativeAttnBackend.run_sdpa_forward_extend`` without
-  ``forward_batch.cross_attention_custom_mask`` (no such keyword exists there), so MOSS-VL's
-  frame-causal visibility is dropped on the NPU. Also, with ``ASCEND_USE_FIA=1`` or
-  ``ASCEND_USE_FA=1`` stock takes fused-kernel branches that ignore ``encoder_lens`` (they would
-  attend text queries over the encoder slots as if they were text), so the encoder-aware native
-  path must be chosen by the batch, not by those flags (``mossvl_ascend.server_args`` also
-  refuses those flags for MOSS-VL on NPU and turns decode graphs off; this hook does not rely
-  on it). The k/v None guard (cross-attention layers get k = v = None when the encoder K/V is
-  already cached or there is no vision input) is already in stock 0.5.23; the hook keeps it.
-- *how*: for a batch with ``forward_batch.encoder_lens`` on a non-MLA model (eager mode), the
-  hook runs :func:`mossvl_ascend.native_attention.encoder_decoder_attention`: KV write through
-  the pool's ``set_kv_buffer`` (encoder slots for cross-attention layers, skipped when k/v are
-  None), then the patched native extend with ``cross_attention_custom_mask=`` (decode runs as a
-  one-token extend without a mask: every decode token sees all frames). Other batches, MLA
-  models and NPU graph replay go to the stock method unchanged (the native math syncs with the
-  host per request, so it cannot be captured; graph decode is off for MOSS-VL, see
-  ``server_args``).
-- *upstream status / when to remove*: not upstream in 0.5.23. Remove once ``forward_extend``
-  passes the mask (keyword ``cross_attention_custom_mask``) and encoder-decoder batches cannot
-  reach the FIA/FA branches.
-
-``register()`` only registers when the Ascend backend module imports (``torch_npu`` and
-``sgl_kernel_npu`` present); elsewhere (CPU, CUDA) it logs one debug line and does nothing.
+Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
-
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.native_attention import encoder_decoder_attention
-
-logger = logging.getLogger(__name__)
+from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
 
 ASCEND_BACKEND_MODULE = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
-EXTEND_TARGET = f"{ASCEND_BACKEND_MODULE}.AscendAttnBackend.forward_extend"
-DECODE_TARGET = f"{ASCEND_BACKEND_MODULE}.AscendAttnBackend.forward_decode"
 
 
 def _takes_encoder_decoder_route(backend, forward_batch) -> bool:
@@ -76,11 +41,30 @@ def _encoder_decoder_forward(
     )
 
 
-def register() -> None:
-    try:
-        importlib.import_module(ASCEND_BACKEND_MODULE)
-    except ImportError as exc:
-        logger.debug("Ascend attention backend not importable (%s); its hooks are not registered", exc)
-        return
-    HookRegistry.register(EXTEND_TARGET, _encoder_decoder_forward, HookType.AROUND)
-    HookRegistry.register(DECODE_TARGET, _encoder_decoder_forward, HookType.AROUND)
+PATCHES = tuple(
+    Patch(
+        title=f"Ascend backend: MOSS-VL {mode} through the encoder-aware native math",
+        target=f"{ASCEND_BACKEND_MODULE}.AscendAttnBackend.forward_{mode}",
+        kind=HookType.AROUND,
+        hook=_encoder_decoder_forward,
+        # Wherever the Ascend backend imports: on the NPU, and on CPU test hosts with a torch_npu stand-in.
+        platforms=ON_NPU_AND_CPU,
+        requires_module=ASCEND_BACKEND_MODULE,
+        why=(
+            "stock 0.5.23 calls `AscendTorchNativeAttnBackend.run_sdpa_forward_extend` without any cross-attention "
+            "visibility, so MOSS-VL's frame-causal mask is dropped on the NPU; with `ASCEND_USE_FIA=1` or "
+            "`ASCEND_USE_FA=1` stock takes fused branches that ignore `encoder_lens` (text queries would attend the "
+            "encoder slots as if they were text)."
+        ),
+        how=(
+            "a batch with `forward_batch.encoder_lens` on a non-MLA model in eager mode runs "
+            "`native_attention.encoder_decoder_attention`: KV write through the pool's `set_kv_buffer` (encoder "
+            "slots for cross-attention layers, nothing when k/v are None), then the encoder-aware extend math with "
+            "the batch's visibility (decode runs as a one-token extend: every decode token sees all frames). Other "
+            "batches, MLA models and graph replay go to the stock method (graph decode is off for MOSS-VL)."
+        ),
+        upstream="not upstream in 0.5.23",
+        remove_when="`forward_extend` passes MOSS-VL's visibility and encoder batches cannot reach the FIA/FA branches",
+    )
+    for mode in ("extend", "decode")
+)

@@ -1,39 +1,17 @@
-"""MOSS-VL frame visibility as one int per text row instead of a dense packed mask (issue 7).
+"""MOSS-VL frame visibility as one int per text row instead of a dense packed mask.
 
-Catalog entry
--------------
-**target**: ``sglang.srt.models.moss_vl.MossVLForConditionalGeneration.prepare_forward_batch`` (AROUND).
-
-**why**: stock builds ``cross_attention_custom_mask`` before every extend: a uint8
-    ``[extend_seq_len x encoder_len]`` block per request, filled by a Python loop over frames. FlashInfer needs
-    that layout; the Ascend native path does not. Visibility is prefix-causal over frames, so each text row is
-    fully described by the end of the encoder prefix it sees; for a long video the dense mask is tens to hundreds
-    of MB per request and the attention it feeds spends its FLOPs on masked-out frames.
-
-**how**: off CUDA, extends get ``forward_batch.cross_attention_row_boundaries`` (int32, one entry per new text
-    row of every request with encoder tokens, batch order; row ``r`` sees encoder keys ``[0, boundary_r)``),
-    computed per request without a loop over frames, and no packed mask. The native backend
-    (:mod:`mossvl_ascend.native_attention`) computes cross-attention from the boundaries with
-    :func:`mossvl_ascend.frame_causal_attention.frame_causal_cross_attention`; a packed mask from any other
-    producer still works (converted to boundaries). Same semantics as the stock builder: a request without
-    visibility data sees every frame; decode sees every frame. CUDA keeps the stock packed mask for flashinfer.
-
-**upstream status / when to remove**: an optimisation, not a bug fix. Remove if sglang ships a compact
-    visibility format for non-flashinfer backends.
+Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
+from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.frame_causal_attention import encoder_boundaries_from_visible_frames, frame_ends_from_grid_thw
-
-logger = logging.getLogger(__name__)
-
-TARGET = "sglang.srt.models.moss_vl.MossVLForConditionalGeneration.prepare_forward_batch"
+from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
 
 
 def request_row_boundaries(mm_input, text_offset: int, q_len: int, encoder_len: int, spatial_merge_size: int, device) -> torch.Tensor:
@@ -70,17 +48,34 @@ def batch_row_boundaries(forward_batch, spatial_merge_size: int) -> Optional[tor
     return torch.cat(parts) if parts else None
 
 
-def prepare_compact_visibility(original, model, forward_batch) -> None:
-    """AROUND hook: boundaries instead of the stock packed mask (see the module docstring)."""
+def prepare_compact_visibility(model, forward_batch) -> None:
+    """REPLACE hook: per-row boundaries instead of the stock packed mask (see ``PATCHES``)."""
     forward_batch.cross_attention_custom_mask = None
     forward_batch.cross_attention_row_boundaries = batch_row_boundaries(forward_batch, model.spatial_merge_size)
 
 
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    from sglang.srt.utils import is_cuda
-
-    if is_cuda():
-        logger.debug("compact_visibility: CUDA keeps the stock packed mask for flashinfer")
-        return
-    HookRegistry.register(TARGET, prepare_compact_visibility, HookType.AROUND)
+PATCHES = (
+    Patch(
+        title="Frame visibility as per-row encoder boundaries",
+        target="sglang.srt.models.moss_vl.MossVLForConditionalGeneration.prepare_forward_batch",
+        kind=HookType.REPLACE,
+        hook=prepare_compact_visibility,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "stock builds `cross_attention_custom_mask` before every extend: a uint8 `[extend_seq_len x encoder_len]` "
+            "block per request, filled by a Python loop over frames. FlashInfer needs that layout; the Ascend native "
+            "path does not. Visibility is prefix-causal over frames, so one int per text row describes it; for a long "
+            "video the dense mask is tens to hundreds of MB per request and masked attention spends its FLOPs on "
+            "frames nobody sees."
+        ),
+        how=(
+            "extends get `forward_batch.cross_attention_row_boundaries` (int32, one entry per new text row of every "
+            "request with encoder tokens, batch order; row r sees encoder keys `[0, boundary_r)`), computed per "
+            "request without a loop over frames, and no packed mask; the native backend computes cross-attention "
+            "from them with the frame-causal kernel. Same semantics as the stock builder: a request without "
+            "visibility data sees every frame; decode sees every frame."
+        ),
+        upstream="an optimisation, not a bug fix (CUDA keeps the packed mask for flashinfer)",
+        remove_when="sglang ships a compact visibility format for non-flashinfer backends",
+    ),
+)

@@ -1,45 +1,25 @@
-"""CPU route for MOSS-VL attention through the Ascend native math (issue 4, item 9).
+"""CPU serving of MOSS-VL: torch_native attention runs the same (patched) Ascend native math.
 
-Catalog
--------
-**Hook: encoder-decoder batches in** ``TorchNativeAttnBackend.forward_extend`` **and**
-``forward_decode`` (item 9)
-
-- *target*: ``sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.``
-  ``forward_extend`` and ``.forward_decode`` (AROUND).
-- *why*: on an NPU, MOSS-VL attention runs in ``AscendTorchNativeAttnBackend`` (pure torch,
-  patched by :mod:`mossvl_ascend.native_attention`). The CPU server (MOSS-VL on ``--device cpu``
-  resolves to ``--attention-backend torch_native``) would otherwise run the different stock
-  ``TorchNativeAttnBackend`` math (its windows are right but it has no cross-attention mask),
-  so CPU end-to-end tests would neither apply frame-causal visibility nor exercise the NPU code.
-- *how*: a batch with ``forward_batch.encoder_lens`` is handed to
-  :func:`mossvl_ascend.native_attention.encoder_decoder_attention` with one stateless
-  ``AscendTorchNativeAttnBackend`` instance (``ASCEND_NATIVE_MATH``): the same KV write, mask
-  slicing and per-request math the Ascend backend hook runs. Only the KV pool differs (the CPU
-  pool's ``set_kv_buffer`` versus the NPU pool's). Every other batch, and torch_native on any
-  device but the CPU (CUDA keeps stock behaviour), goes to the stock method.
-- *upstream status / when to remove*: a test-harness route, not an upstream bug. Keep while
-  CPU tests stand in for the NPU; it can go once NPU CI exercises the Ascend backend directly.
+Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 """
 
 from __future__ import annotations
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.native_attention import ASCEND_NATIVE_MATH, encoder_decoder_attention
+from mossvl_ascend.registry import CPU, Patch
 
 TORCH_NATIVE_CLASS = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 )
-EXTEND_TARGET = f"{TORCH_NATIVE_CLASS}.forward_extend"
-DECODE_TARGET = f"{TORCH_NATIVE_CLASS}.forward_decode"
 
 
 def _through_ascend_native(
     original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs
 ):
     """AROUND hook shared by forward_extend and forward_decode (the batch's mode picks the math)."""
-    if forward_batch.encoder_lens is None or str(backend.device) != "cpu":
+    if forward_batch.encoder_lens is None:
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     return encoder_decoder_attention(
         ASCEND_NATIVE_MATH,
@@ -55,6 +35,28 @@ def _through_ascend_native(
     )
 
 
-def register() -> None:
-    HookRegistry.register(EXTEND_TARGET, _through_ascend_native, HookType.AROUND)
-    HookRegistry.register(DECODE_TARGET, _through_ascend_native, HookType.AROUND)
+_WHY = (
+    "CPU serving of MOSS-VL is a feature: engineers without an Ascend card run the model (and this project's "
+    "end-to-end tests run the NPU attention code) on `--device cpu`, which resolves to `torch_native`. Stock "
+    "`TorchNativeAttnBackend` has the right windows but no cross-attention visibility at all (every text row "
+    "would see every frame), and it is different code from what runs on the NPU."
+)
+_HOW = (
+    "a batch with `forward_batch.encoder_lens` is handed to `native_attention.encoder_decoder_attention` with one "
+    "stateless `AscendTorchNativeAttnBackend` instance: the same KV write, visibility and per-request math the "
+    "Ascend backend hook runs (only the KV pool class differs). Every other batch goes to the stock method."
+)
+PATCHES = tuple(
+    Patch(
+        title=f"CPU serving: MOSS-VL {mode} through the Ascend native math",
+        target=f"{TORCH_NATIVE_CLASS}.forward_{mode}",
+        kind=HookType.AROUND,
+        hook=_through_ascend_native,
+        platforms=frozenset({CPU}),
+        why=_WHY,
+        how=_HOW,
+        upstream="not an upstream bug: stock has no MOSS-VL CPU path",
+        remove_when="sglang's torch_native backend applies MOSS-VL's frame-causal visibility itself",
+    )
+    for mode in ("extend", "decode")
+)

@@ -1,37 +1,17 @@
 """Radix-cache key of a MOSS-VL encoder prefix: the media *and* where they sit in the text.
 
-Catalog entry
--------------
-**target**: ``sglang.srt.models.moss_vl.MossVLForConditionalGeneration._build_encoder_prefix_pad_ids`` (AROUND).
-
-**why**: sglang keys a request's encoder (vision) prefix in the radix tree by placeholder ids derived from the
-    media hash alone. But the cached cross-attention keys are XRoPE-rotated with ``vision_position_ids``, which
-    depend on the text position of each ``<|image|>`` token. The same images after a different amount of text
-    (another system prompt, another turn layout) hit the cache and reuse keys rotated for the old positions:
-    silently wrong cross-attention. Observed on the CPU server: a two-image request followed by a multi-turn
-    request with the same two images produced different greedy tokens than the reference model (and than the
-    same multi-turn request on a fresh server).
-
-**how**: when the request carries ``vision_position_ids``, the placeholder id is derived from a SHA-256 over the
-    media identity and those positions (through sglang's own ``_compute_pad_values``), so a cache hit implies
-    identical rotated keys. Requests without positions keep stock behaviour. Not applied on CUDA, whose path this
-    project leaves exactly as stock (the same upstream bug exists there).
-
-**upstream status / when to remove**: open upstream (sglang 0.5.23). Remove when MossVL's ``pad_input_ids``
-    hashes vision positions itself, or stores unrotated encoder keys and rotates at attention time.
+Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 from array import array
 
 import torch
+from sglang.srt.plugins.hook_registry import HookType
 
-logger = logging.getLogger(__name__)
-
-TARGET = "sglang.srt.models.moss_vl.MossVLForConditionalGeneration._build_encoder_prefix_pad_ids"
+from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
 
 
 def media_identity(item) -> bytes:
@@ -59,11 +39,27 @@ def encoder_prefix_pad_ids_keyed_by_position(original, model, mm_inputs) -> arra
     return array("q", [position_aware_pad_value(mm_inputs.mm_items[0], positions)]) * len(pad_ids)
 
 
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    from sglang.srt.utils import is_cuda
-
-    if is_cuda():
-        logger.debug("encoder_cache_key: CUDA keeps stock MossVL encoder-prefix keys")
-        return
-    HookRegistry.register(TARGET, encoder_prefix_pad_ids_keyed_by_position, HookType.AROUND)
+PATCHES = (
+    Patch(
+        title="Encoder-prefix radix keys include the vision positions",
+        target="sglang.srt.models.moss_vl.MossVLForConditionalGeneration._build_encoder_prefix_pad_ids",
+        kind=HookType.AROUND,
+        hook=encoder_prefix_pad_ids_keyed_by_position,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "sglang keys a request's encoder prefix in the radix tree by the media hash alone, but the cached "
+            "cross-attention keys are XRoPE-rotated with `vision_position_ids`, which depend on where each "
+            "`<|image|>` sits in the text. The same images after a different amount of text hit the cache and reuse "
+            "keys rotated for the old positions: silently wrong cross-attention (observed on the CPU server: a "
+            "two-image request followed by a multi-turn request with the same images gave tokens that differ from "
+            "the reference model; found by the serving parity tests, not in the source PR)."
+        ),
+        how=(
+            "when the request carries `vision_position_ids`, the placeholder id is derived from a SHA-256 over the "
+            "media identity and those positions (through sglang's own `_compute_pad_values`), so a cache hit implies "
+            "identical rotated keys; requests without positions keep stock keys."
+        ),
+        upstream="open in 0.5.23 (the same bug exists on CUDA, which this project leaves stock)",
+        remove_when="MossVL's `pad_input_ids` hashes vision positions itself, or encoder keys are cached unrotated",
+    ),
+)

@@ -1,4 +1,4 @@
-"""MOSS-VL attention math in the Ascend torch-native backend (issue 4, items 3, 4, 5).
+"""MOSS-VL attention math in the Ascend torch-native backend.
 
 On an Ascend NPU every MossVL attention (extend and decode, self and cross) runs through
 ``AscendTorchNativeAttnBackend`` because ``forward_batch.encoder_lens`` is set. That class is
@@ -9,55 +9,7 @@ Layout the math relies on (``ScheduleBatch.prepare_encoder_info_extend``): a req
 are ``req_to_token[req, :encoder_len]`` for the vision encoder tokens followed by its text tokens;
 ``seq_lens`` / ``extend_prefix_lens`` / ``extend_seq_lens`` count text tokens only.
 
-Catalog
--------
-**Hook: MossVL extend in the Ascend native backend** (items 3 and 4)
-
-- *target*: ``sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend.``
-  ``AscendTorchNativeAttnBackend.run_sdpa_forward_extend`` (AROUND).
-- *why*: stock 0.5.23 (a) has no ``cross_attention_custom_mask`` parameter, so MossVL's
-  frame-causal visibility is never applied and every text token sees every frame; (b) pads the
-  cross-attention queries to the full text length, which is what made the source PR read mask
-  rows with the wrong query length once a text prefix is cached; (c) reads self-attention keys
-  over ``[encoder_len, encoder_len + extend_len)`` instead of ``[encoder_len, encoder_len +
-  seq_len)``, so with a cached text prefix (multi-turn, chunked prefill, retract) the new tokens
-  miss the prefix and the causal diagonal is misplaced.
-- *how*: the hook adds the keyword ``cross_attention_custom_mask=`` (packed uint8, 1 = visible,
-  per request ``[extend_seq_len x encoder_len]`` row-major, batch order, requests without encoder
-  tokens or new tokens contribute nothing). Batches with ``encoder_lens`` go to
-  :func:`encoder_decoder_extend`; every other batch goes to the stock method unchanged.
-  Cross-attention: queries are the request's new tokens only, keys/values its encoder slots,
-  mask slice read at a running offset advancing by ``extend_seq_len x encoder_len``, bool True =
-  attend (torch SDPA convention), same on the plain and the logit-softcap paths; rows that see
-  nothing and requests with ``encoder_len == 0`` give zeros, never NaN. Self-attention: keys over
-  ``[encoder_len, encoder_len + seq_len)``, query ``i`` sees keys ``j <= prefix_len + i``.
-  A mask whose size disagrees with the batch raises ValueError naming the request and lengths.
-- *upstream status / when to remove*: not upstream in 0.5.23 (the source PR patched the file in
-  its fork). Remove once ``run_sdpa_forward_extend`` accepts the mask and reads the right windows.
-
-**No hook: the cross-attention mask for non-flashinfer backends** (item 2)
-
-- *target*: ``sglang.srt.models.moss_vl.MossVLForConditionalGeneration.prepare_forward_batch``
-  (called by ``model_executor.runner.eager_runner`` before every extend's
-  ``init_forward_metadata``, whatever the attention backend).
-- *status*: 0.5.23 already behaves: unlike the source PR's fork it has no
-  ``prefill_backend != "flashinfer"`` early return, so the packed mask is built on every extend
-  with vision input (None on decode, and None when no request carries frame-level visibility,
-  which means all frames visible). Pinned by ``tests/test_native_attention.py::``
-  ``test_stock_mask_builder_feeds_the_native_backend`` (stock builder -> this module -> dense
-  reference). Only a refactor that gates the builder on the backend again would need a hook.
-
-**No hook: MossVL decode in the Ascend native backend** (item 5)
-
-- *target*: ``AscendTorchNativeAttnBackend.run_sdpa_forward_decode``.
-- *status*: 0.5.23 already behaves on CPU: cross-attention reads the cached encoder slots
-  ``[0, encoder_len)`` without a mask (every decode token sees all frames), self-attention reads
-  ``[encoder_len, encoder_len + seq_len)``, ``encoder_len == 0`` yields zeros (CPU SDPA over
-  zero keys). Pinned by regression tests (``tests/test_native_attention.py``,
-  ``tests/test_ascend_backend.py``). The layer helper :func:`encoder_decoder_attention` (used
-  by the Ascend and CPU hooks) nevertheless runs decode as a one-token extend through this
-  module's math, so the NPU never depends on how its SDPA treats zero keys and decode shares
-  the extend code; decode never writes encoder K/V when k/v are None.
+Catalog entries: ``PATCHES`` and ``VERIFIED`` below (rendered into ``sglang/PATCHES.md``).
 """
 
 from __future__ import annotations
@@ -73,17 +25,15 @@ from sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend impor
 )
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.frame_causal_attention import (
     encoder_boundaries_from_packed_mask,
     frame_causal_cross_attention,
 )
+from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch, Verified
 
-NATIVE_EXTEND_TARGET = (
-    "sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend."
-    "AscendTorchNativeAttnBackend.run_sdpa_forward_extend"
-)
+NATIVE_BACKEND = "sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend.AscendTorchNativeAttnBackend"
 
 # AscendTorchNativeAttnBackend holds no state. This one instance serves the softcap kernel of
 # the per-request functions below and is the native math of the CPU route (cpu_attention).
@@ -431,5 +381,56 @@ def encoder_decoder_attention(
     return output.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 
-def register() -> None:
-    HookRegistry.register(NATIVE_EXTEND_TARGET, _route_encoder_batches_extend, HookType.AROUND)
+PATCHES = (
+    Patch(
+        title="Native extend applies MOSS-VL cross-attention visibility and reads the cached text prefix",
+        target=f"{NATIVE_BACKEND}.run_sdpa_forward_extend",
+        kind=HookType.AROUND,
+        hook=_route_encoder_batches_extend,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "stock 0.5.23 (a) has no `cross_attention_custom_mask` parameter, so frame-causal visibility is never "
+            "applied and every text token sees every frame; (b) pads cross-attention queries to the full text "
+            "length, which is what made the source PR read mask rows with the wrong query length once a text prefix "
+            "is cached; (c) reads self-attention keys over `[encoder_len, encoder_len + extend_len)` instead of "
+            "`[encoder_len, encoder_len + seq_len)`, so with a cached text prefix (multi-turn, chunked prefill, "
+            "retract) new tokens miss the prefix and the causal diagonal is misplaced."
+        ),
+        how=(
+            "the hook adds the keywords `cross_attention_custom_mask=` (the source PR's packed uint8 mask, 1 = "
+            "visible, per request `[extend_seq_len x encoder_len]` row-major, batch order) and "
+            "`cross_attention_row_boundaries=`; batches with `encoder_lens` run `encoder_decoder_extend`, others "
+            "the stock method. Cross-attention: new-token queries only, keys its encoder slots, visibility read at "
+            "a running offset; rows that see nothing and encoder-less requests give zeros. Self-attention: keys "
+            "over `[encoder_len, encoder_len + seq_len)`, query i sees keys `j <= prefix_len + i`. A visibility "
+            "whose size disagrees with the batch raises ValueError naming the request and lengths."
+        ),
+        upstream="not upstream in 0.5.23 (the source PR patched the file in its fork)",
+        remove_when="`run_sdpa_forward_extend` accepts MOSS-VL visibility and reads the right windows",
+    ),
+)
+
+VERIFIED = (
+    Verified(
+        title="Cross-attention mask built for non-flashinfer prefill backends",
+        target="sglang.srt.models.moss_vl.MossVLForConditionalGeneration.prepare_forward_batch",
+        why_it_was_patched="the source PR's fork returned early from the mask builder unless prefill was flashinfer.",
+        status=(
+            "already correct: 0.5.23 has no backend gate; the packed mask is built on every extend with vision "
+            "input. Off CUDA the plugin replaces the builder anyway (per-row boundaries, `compact_visibility`); the "
+            "stock builder still feeds the native backend correctly, which keeps the packed-mask edge honest."
+        ),
+        pinned_by=("tests/test_native_attention.py::test_stock_mask_builder_feeds_the_native_backend",),
+    ),
+    Verified(
+        title="Decode cross-attention over cached encoder K/V",
+        target=f"{NATIVE_BACKEND}.run_sdpa_forward_decode",
+        why_it_was_patched="the source PR guarded decode with k = v = None (encoder K/V already cached).",
+        status=(
+            "already correct on CPU: cross-attention reads the cached encoder slots without a mask, self-attention "
+            "`[encoder_len, encoder_len + seq_len)`. The plugin's routes nevertheless run decode as a one-token "
+            "extend through this module, so the NPU never depends on SDPA over zero keys."
+        ),
+        pinned_by=("tests/test_native_attention.py::test_stock_decode_already_reads_the_right_windows",),
+    ),
+)

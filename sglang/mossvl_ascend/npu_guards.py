@@ -1,49 +1,59 @@
-"""The source PR's small NPU guards, checked against sglang 0.5.23: no hook is needed.
+"""The source PR's small NPU guards, checked against sglang 0.5.23: no patch is needed.
 
-This module registers nothing (it is not in ``PATCH_MODULES``); it is the catalog record of
-each guard the source PR added, why 0.5.23 already behaves, and the test that pins it
-(``tests/test_npu_guards.py`` unless named otherwise).
-
-Catalog entries
----------------
-**Profiler patch API (torch-npu 2.8 ``_apply_patches`` vs 2.10+ ``_apply_all_patches``)**
-    *target*: ``sglang.srt.utils.profile_utils`` and
-    ``sglang.srt.managers.scheduler_components.profiler_manager`` (0.5.23's successor of
-    ``scheduler_profiler_mixin.py``), both at import time under ``is_npu()``.
-    *why the PR patched it*: torch-npu 2.10 removed ``_apply_patches``, so the unguarded call
-    crashed sglang's import on newer torch-npu.
-    *0.5.23*: already correct. Both modules call
-    ``sglang.srt.utils.torch_npu_patch_utils.apply_torch_npu_patches`` (upstream PR #26356),
-    which uses ``_apply_patches(patches)`` when present, else ``_apply_all_patches()``. On NPU
-    the trace handler is ``torch_npu.profiler.tensorboard_trace_handler``.
-    *pinned by*: simulated-NPU imports of both modules with a 2.8-shaped and a 2.10-shaped
-    ``torch_npu`` stand-in, and the helper's dispatch on both shapes.
-    *when to remove the test*: when sglang drops torch-npu 2.8 support.
-
-**Scheduler device-type check (schedule-stream alias check)**
-    *target*: ``sglang.srt.managers.scheduler.Scheduler.run_event_loop``.
-    *why the PR patched it*: the overlap scheduler compared ``stream.cuda_stream`` handles,
-    which NPU streams do not have.
-    *0.5.23*: already correct: the alias check runs only under ``is_cuda() or is_hip``; other
-    accelerators skip it.
-    *pinned by*: the real ``run_event_loop`` on a stand-in scheduler whose streams have no
-    ``cuda_stream`` (a non-CUDA device with overlap on) reaches the event-loop dispatch.
-
-**Disaggregation decode and dLLM scheduler**
-    *target*: ``sglang.srt.disaggregation.decode`` (``_match_prefix_and_lock``) and
-    ``sglang.srt.dllm.mixin.scheduler`` (``init_next_round_input`` callers).
-    *why the PR patched it*: its encoder-prefix truncation lived in
-    ``Req.init_next_round_input(model_config=...)``, so every caller had to pass the model
-    config.
-    *0.5.23 + this plugin*: no caller edit needed: ``mossvl_ascend.radix_prefix`` hooks
-    ``match_kv_cache`` and reads the encoder length from the request. The HookRegistry rebinds
-    the ``from ... import match_kv_cache`` copy in ``disaggregation/decode.py``.
-    *pinned by*: ``tests/test_radix_prefix.py`` (the decode module's binding drops a partial
-    encoder match).
-
-**Optional Qwen3-ASR transcription adapter import**
-    *target*: ``sglang.srt.entrypoints.openai.transcription_adapters``.
-    *0.5.23*: still imports the Qwen3-ASR adapter unguarded; it fails only through
-    ``models/qwen3.py``'s ``sgl_kernel_npu`` import, which ``mossvl_ascend.npu_imports``
-    unblocks, so the adapter needs no separate guard (pinned in ``tests/test_npu_imports.py``).
+Each entry records the guard, why 0.5.23 already behaves, and the test that pins it (rendered into
+``sglang/PATCHES.md``).
 """
+
+from mossvl_ascend.registry import Verified
+
+PATCHES = ()
+
+VERIFIED = (
+    Verified(
+        title="Profiler patch API (torch-npu 2.8 `_apply_patches` vs 2.10+ `_apply_all_patches`)",
+        target=(
+            "sglang.srt.utils.profile_utils and sglang.srt.managers.scheduler_components.profiler_manager "
+            "(import time, under is_npu())"
+        ),
+        why_it_was_patched="torch-npu 2.10 removed `_apply_patches`, so the unguarded call crashed sglang's import.",
+        status=(
+            "already correct: both modules call `sglang.srt.utils.torch_npu_patch_utils.apply_torch_npu_patches` "
+            "(upstream PR #26356), which uses `_apply_patches(patches)` when present, else `_apply_all_patches()`."
+        ),
+        pinned_by=(
+            "tests/test_npu_guards.py::test_profiler_modules_import_on_torch_npu_2_8",
+            "tests/test_npu_guards.py::test_profiler_modules_import_on_torch_npu_2_10",
+            "tests/test_npu_guards.py::test_patch_helper_prefers_the_2_8_api_and_rejects_neither",
+        ),
+    ),
+    Verified(
+        title="Scheduler schedule-stream alias check",
+        target="sglang.srt.managers.scheduler.Scheduler.run_event_loop",
+        why_it_was_patched="the overlap scheduler compared `stream.cuda_stream` handles, which NPU streams lack.",
+        status="already correct: the alias check runs only under `is_cuda() or is_hip`; other devices skip it.",
+        pinned_by=("tests/test_npu_guards.py::test_scheduler_skips_cuda_stream_alias_check_off_cuda",),
+    ),
+    Verified(
+        title="Disaggregation decode and dLLM scheduler callers of `init_next_round_input`",
+        target="sglang.srt.disaggregation.decode._match_prefix_and_lock, sglang.srt.dllm.mixin.scheduler",
+        why_it_was_patched=(
+            "the PR's encoder-prefix truncation lived in `Req.init_next_round_input(model_config=...)`, so every "
+            "caller had to pass the model config."
+        ),
+        status=(
+            "no caller edit needed: `mossvl_ascend.radix_prefix` hooks `match_kv_cache` and reads the encoder length "
+            "from the request; the HookRegistry rebinds the imported copy in `disaggregation/decode.py`."
+        ),
+        pinned_by=("tests/test_radix_prefix.py::test_imported_bindings_drop_partial_encoder_match",),
+    ),
+    Verified(
+        title="Optional Qwen3-ASR transcription adapter import",
+        target="sglang.srt.entrypoints.openai.transcription_adapters",
+        why_it_was_patched="the adapter import chain fails on NPU when `sgl_kernel_npu` is incomplete.",
+        status=(
+            "still unguarded in 0.5.23, but it fails only through `models/qwen3.py`'s `sgl_kernel_npu` import, "
+            "which `mossvl_ascend.npu_imports` unblocks; no separate guard is needed."
+        ),
+        pinned_by=("tests/test_npu_imports.py::test_plugin_unblocks_startup_imports_with_one_warning",),
+    ),
+)

@@ -1,31 +1,6 @@
 """Start-up import fallback for an incomplete ``sgl_kernel_npu`` on Ascend NPUs.
 
-Catalog entry
--------------
-**target**: the import ``sgl_kernel_npu.norm.split_qkv_rmsnorm_rope`` done at module level by
-    ``sglang.srt.models.qwen3`` under ``is_npu()`` (also ``models/glm4_moe.py`` and
-    ``models/dflash.py``). Through ``models/qwen3_asr.py`` it is also reached by
-    ``sglang.srt.entrypoints.openai.transcription_adapters`` (the built-in Qwen3-ASR adapter),
-    which the HTTP server imports at start-up. Not a HookRegistry hook: the failure happens
-    while the import statement runs, before there is any attribute to wrap, so the fix is a
-    ``sys.modules`` entry made in ``register()``; sglang loads plugins (launcher, scheduler,
-    workers) before any of those modules is imported.
-
-**why**: ``sgl_kernel_npu.norm`` needs ``triton.language.extra.cann`` (triton-ascend >= 3.2.1);
-    with triton-ascend 3.2.0 (the PyPI release) or a partial ``sgl_kernel_npu`` the import
-    raises ``ModuleNotFoundError``, ``models/qwen3.py`` fails, and so does the OpenAI server
-    start-up through the transcription adapters: sglang does not start, MOSS-VL included.
-    0.5.23 still imports it unguarded.
-
-**how**: on NPU (sglang's ``is_npu()``), ``register()`` tries the real import; if it raises
-    ``ImportError`` or ``AttributeError`` it logs one warning and registers a module under
-    that name whose ``split_qkv_rmsnorm_rope`` is the pure-torch :func:`split_qkv_rmsnorm_rope`
-    below, with the kernel's contract. A working kernel is never replaced; off NPU nothing
-    happens.
-
-**upstream status / when to remove**: open (sglang PR #34344 guards a sibling import in
-    ``layers/layernorm.py`` the same way). Remove when ``models/qwen3.py`` guards this import,
-    or when the deployment's triton-ascend provides ``triton.language.extra.cann``.
+Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 """
 
 from __future__ import annotations
@@ -37,6 +12,8 @@ import types
 from typing import Optional
 
 import torch
+
+from mossvl_ascend.registry import IMPORT_FALLBACK, NPU, Patch
 
 logger = logging.getLogger(__name__)
 
@@ -113,22 +90,11 @@ def _kernel_import_error() -> Optional[Exception]:
     return None
 
 
-def install_fallback() -> None:
-    """Serve :func:`split_qkv_rmsnorm_rope` under the kernel's module name."""
-    module = types.ModuleType(KERNEL_MODULE)
-    module.__doc__ = f"pure-torch fallback installed by {__name__}"
-    module.split_qkv_rmsnorm_rope = split_qkv_rmsnorm_rope
-    sys.modules[KERNEL_MODULE] = module
-
-
-def register() -> None:
-    from sglang.srt.utils import is_npu
-
-    if not is_npu():
-        return
+def install_fallback_if_kernel_missing() -> bool:
+    """Serve :func:`split_qkv_rmsnorm_rope` under the kernel's module name when the kernel does not import."""
     error = _kernel_import_error()
     if error is None:
-        return
+        return False
     logger.warning(
         "%s cannot be imported (%s: %s); using the pure-torch split_qkv_rmsnorm_rope from %s "
         "(slower). Install triton-ascend >= 3.2.1 with a complete sgl_kernel_npu for the kernel.",
@@ -137,4 +103,33 @@ def register() -> None:
         error,
         __name__,
     )
-    install_fallback()
+    module = types.ModuleType(KERNEL_MODULE)
+    module.__doc__ = f"pure-torch fallback installed by {__name__}"
+    module.split_qkv_rmsnorm_rope = split_qkv_rmsnorm_rope
+    sys.modules[KERNEL_MODULE] = module
+    return True
+
+
+PATCHES = (
+    Patch(
+        title="Pure-torch split_qkv_rmsnorm_rope when sgl_kernel_npu is incomplete",
+        target=KERNEL_MODULE,
+        kind=IMPORT_FALLBACK,
+        hook=install_fallback_if_kernel_missing,
+        platforms=frozenset({NPU}),
+        why=(
+            "`sglang.srt.models.qwen3` (also `glm4_moe`, `dflash`, and through `qwen3_asr` the OpenAI transcription "
+            "adapters the HTTP server imports at start-up) imports this kernel at module level under `is_npu()`. "
+            "It needs `triton.language.extra.cann` (triton-ascend >= 3.2.1); with triton-ascend 3.2.0 (the PyPI "
+            "release) or a partial `sgl_kernel_npu` the import raises and sglang does not start, MOSS-VL included."
+        ),
+        how=(
+            "not a HookRegistry hook: the failure happens while the import statement runs. At plugin load (before "
+            "any of those modules is imported) the real import is tried; if it raises `ImportError`/`AttributeError`, "
+            "one warning is logged and a module with the pure-torch `split_qkv_rmsnorm_rope` (same contract, fp32 "
+            "math) is put into `sys.modules` under the kernel's name. A working kernel is never replaced."
+        ),
+        upstream="open in 0.5.23 (sglang PR #34344 guards a sibling import in `layers/layernorm.py` the same way)",
+        remove_when="`models/qwen3.py` guards this import, or deployments ship triton-ascend with `extra.cann`",
+    ),
+)

@@ -1,35 +1,6 @@
 """Keep a request's encoder (vision) prefix whole across prefix-cache matches.
 
-Catalog entry
--------------
-**target**: ``sglang.srt.mem_cache.common.match_kv_cache`` (AROUND). It is the one function
-    that adopts a prefix-cache hit into a request (``Req.init_next_round_input`` and the
-    cache-aware ``SchedulePolicy`` both call it; the HookRegistry rebinds their
-    ``from ... import`` copies too).
-
-**why**: an encoder-decoder request's KV slots start with its encoder tokens
-    (``multimodal_inputs.num_image_tokens``), and ``ScheduleBatch.prepare_encoder_info_extend``
-    requires the encoder part to be cached whole or recomputed whole
-    (``assert req.prefix_len == 0`` when ``prefix_len < encoder_len``). The radix cache cuts a
-    match to a page boundary (NPU pages are 128 tokens) or stops where two requests' vision
-    tokens diverge (different images after a shared first one), so the match can end inside
-    the encoder span and the scheduler's assertion aborts the batch. 0.5.23 still behaves
-    this way (the tests reproduce it with the real ``RadixCache``).
-
-**how**: when the stock match ends strictly inside the request's encoder span
-    (``0 < prefix_len + host_hit_length < encoder_len``), the match is redone with a zero-token
-    key limit, so stock code adopts an ordinary miss (prefix 0, root nodes, no host hit). The
-    encoder and the text after it are recomputed; nothing was locked by the first match
-    (``match_prefix`` only refreshes LRU), so nothing leaks. A match that covers the whole
-    encoder, or a request without encoder tokens, passes through untouched. The source PR
-    threaded ``model_config`` through every ``init_next_round_input`` caller (scheduler,
-    disaggregation decode, dLLM scheduler) for this check; reading the encoder length from
-    the request makes those caller edits unnecessary.
-
-**upstream status / when to remove**: open. Remove when sglang truncates prefix matches to
-    encoder boundaries itself (or lets ``prepare_encoder_info_extend`` take a partial
-    encoder prefix). Not applied on CUDA, whose path this project leaves exactly as stock (stock CUDA
-    servers can hit the same assertion with per-image encoder items, e.g. mllama).
+Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 """
 
 from __future__ import annotations
@@ -37,11 +8,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
+
+from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
 
 logger = logging.getLogger(__name__)
-
-_TARGET = "sglang.srt.mem_cache.common.match_kv_cache"
 
 
 def encoder_len_of(req: Any) -> int:
@@ -74,10 +45,34 @@ def match_whole_encoder_or_nothing(
     return original(req, tree_cache, *args, **kwargs)
 
 
-def register() -> None:
-    from sglang.srt.utils import is_cuda
-
-    if is_cuda():
-        logger.debug("radix_prefix: CUDA keeps stock prefix matching")
-        return
-    HookRegistry.register(_TARGET, match_whole_encoder_or_nothing, HookType.AROUND)
+PATCHES = (
+    Patch(
+        title="A prefix-cache match never ends inside a request's encoder span",
+        target="sglang.srt.mem_cache.common.match_kv_cache",
+        kind=HookType.AROUND,
+        hook=match_whole_encoder_or_nothing,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "an encoder-decoder request's KV slots start with its encoder (vision) tokens, and "
+            "`ScheduleBatch.prepare_encoder_info_extend` needs the encoder cached whole or recomputed whole "
+            "(`assert req.prefix_len == 0` when `prefix_len < encoder_len`). The radix cache cuts a match to a page "
+            "boundary (NPU pages are 128 tokens) or where two requests' vision tokens diverge, so a match can end "
+            "inside the encoder span and the scheduler's assertion aborts the batch (reproduced with the real "
+            "`RadixCache`)."
+        ),
+        how=(
+            "`match_kv_cache` is the one function that adopts a cache hit (`Req.init_next_round_input` and the "
+            "cache-aware `SchedulePolicy` call it; the HookRegistry rebinds their imported copies, disaggregation "
+            "decode's included). When the stock match ends strictly inside the encoder span "
+            "(`0 < prefix_len + host_hit_length < encoder_len`) it is redone with a zero-token key limit, so stock "
+            "code adopts an ordinary miss; nothing was locked by the first match. The source PR threaded "
+            "`model_config` through every `init_next_round_input` caller instead; reading the encoder length from "
+            "the request makes those edits unnecessary."
+        ),
+        upstream="open in 0.5.23 (stock CUDA servers can hit the same assertion with per-image encoder items, e.g. mllama)",
+        remove_when=(
+            "sglang truncates prefix matches to encoder boundaries itself, or `prepare_encoder_info_extend` accepts a "
+            "partial encoder prefix"
+        ),
+    ),
+)

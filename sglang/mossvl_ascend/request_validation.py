@@ -1,43 +1,14 @@
 """Client mistakes in MOSS-VL chat requests get HTTP 400 with a message, never 500 or a silent empty answer.
 
-Catalog entries
----------------
-1. **target**: ``sglang.srt.multimodal.processors.moss_vl.MossVLImageProcessor._load_single_item`` (AROUND; the
-   classmethod is inherited from ``BaseMultimodalProcessor``, so only MOSS-VL's processor is affected).
-
-   **why**: sglang answers 400 for media-loading errors only in ``CLIENT_MEDIA_EXCEPTIONS`` (``ValueError``,
-   undecodable images, HTTP errors). A missing, unreadable or directory path (``file:///…`` or a plain path)
-   raises ``OSError``, which sglang wraps in ``RuntimeError`` and answers with 500 "Internal server error", as
-   if the server were broken.
-
-   **how**: a ``RuntimeError`` caused by ``FileNotFoundError``, ``IsADirectoryError`` or ``PermissionError`` is
-   re-raised as ``ValueError`` with the same message (which names the path); the stock error path then answers
-   400 and the server stays up.
-
-   **upstream status / when to remove**: sglang 0.5.23 behaviour. Remove when ``CLIENT_MEDIA_EXCEPTIONS``
-   covers client-side file errors.
-
-2. **target**: ``sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._validate_request`` (AFTER).
-
-   **why**: stock accepts ``max_tokens: 0`` (or ``max_completion_tokens: 0``) and answers 200 with an empty
-   completion after running the whole vision prefill; for a chat completion that is a malformed request.
-
-   **how**: for a MOSS-VL server, when stock validation passed, a limit ≤ 0 yields the error message
-   ``max_tokens must be at least 1 …``, which stock turns into HTTP 400.
-
-   **upstream status / when to remove**: sglang 0.5.23 behaviour. Remove if upstream rejects zero limits.
-
-Neither hook is applied on CUDA, whose path this project leaves exactly as stock.
+Catalog entries: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 """
 
 from __future__ import annotations
 
-import logging
+from sglang.srt.plugins.hook_registry import HookType
 
-logger = logging.getLogger(__name__)
+from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
 
-MEDIA_LOAD_TARGET = "sglang.srt.multimodal.processors.moss_vl.MossVLImageProcessor._load_single_item"
-CHAT_VALIDATION_TARGET = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._validate_request"
 CLIENT_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, PermissionError)
 MOSS_VL_ARCH = "MossVLForConditionalGeneration"
 
@@ -64,12 +35,41 @@ def reject_non_positive_token_limits(error, serving_chat, request):
     return None
 
 
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    from sglang.srt.utils import is_cuda
-
-    if is_cuda():
-        logger.debug("request_validation: CUDA keeps stock request validation")
-        return
-    HookRegistry.register(MEDIA_LOAD_TARGET, client_path_errors_are_bad_requests, HookType.AROUND)
-    HookRegistry.register(CHAT_VALIDATION_TARGET, reject_non_positive_token_limits, HookType.AFTER)
+PATCHES = (
+    Patch(
+        title="Missing or unreadable media paths answer 400",
+        target="sglang.srt.multimodal.processors.moss_vl.MossVLImageProcessor._load_single_item",
+        kind=HookType.AROUND,
+        hook=client_path_errors_are_bad_requests,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "sglang answers 400 for media-loading errors only in `CLIENT_MEDIA_EXCEPTIONS`; a missing, unreadable "
+            "or directory path raises `OSError`, which sglang wraps in `RuntimeError` and answers with 500 "
+            "'Internal server error', as if the server were broken."
+        ),
+        how=(
+            "a `RuntimeError` caused by `FileNotFoundError`, `IsADirectoryError` or `PermissionError` is re-raised "
+            "as `ValueError` with the same message (it names the path); the stock error path then answers 400. The "
+            "classmethod is inherited from `BaseMultimodalProcessor`, so only MOSS-VL's processor is affected."
+        ),
+        upstream="sglang 0.5.23 behaviour",
+        remove_when="`CLIENT_MEDIA_EXCEPTIONS` covers client-side file errors",
+    ),
+    Patch(
+        title="max_tokens <= 0 answers 400",
+        target="sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._validate_request",
+        kind=HookType.AFTER,
+        hook=reject_non_positive_token_limits,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "stock accepts `max_tokens: 0` (or `max_completion_tokens: 0`) and answers 200 with an empty completion "
+            "after running the whole vision prefill; for a chat completion that is a malformed request."
+        ),
+        how=(
+            "on a MOSS-VL server, when stock validation passed, a limit <= 0 yields the message "
+            "`max_tokens must be at least 1 ...`, which stock turns into HTTP 400."
+        ),
+        upstream="sglang 0.5.23 behaviour",
+        remove_when="upstream rejects zero completion limits",
+    ),
+)

@@ -1,50 +1,6 @@
 """Server-argument resolution for MOSS-VL on Ascend NPUs and on CPU.
 
-Catalog entry
--------------
-**target**: ``sglang.srt.arg_groups.model_override_base._invoke_provider`` (AROUND).
-    sglang calls it for every per-architecture override provider; we intercept only the call
-    whose provider is ``sglang.srt.arg_groups.model_overrides.moss_vl._moss_vl_overrides``.
-    The provider itself cannot be hooked: ``_MODEL_OVERRIDE_FNS`` holds the function object,
-    so rebinding the module attribute would not change what resolution calls.
-
-**why**: stock ``_moss_vl_overrides`` defaults MOSS-VL to flashinfer prefill and asserts
-    flashinfer, because only flashinfer consumed the cross-attention custom mask. On
-    ``--device npu`` (where ``set_default_server_args`` declares ``ascend`` for all three
-    attention fields) and on ``--device cpu`` (where ``handle_cpu_backends`` declares
-    ``intel_amx``) the assertion aborts start-up. This plugin makes the Ascend native path
-    (and, on CPU, ``torch_native`` routed through the same math) consume the mask, so the
-    assertion no longer describes a real limitation there.
-
-**how**: for MOSS-VL with ``device`` ``npu`` or ``cpu`` the stock provider is not called and
-    these declarations are returned instead (on any other device the stock provider runs
-    unchanged, assertion included):
-
-    * NPU: prefill/decode attention resolve to the user's explicit ``--prefill-/--decode-
-      attention-backend``, else ``--attention-backend``, else ``ascend`` (stock NPU defaults
-      would overwrite explicit choices; for MOSS-VL they are kept). ``sampling_backend``
-      defaults to ``ascend`` (stock vision attention already picks ``ascend_attn`` on NPU), so
-      ``--device npu`` alone resolves like the source PR's full launch command.
-    * NPU: the radix cache is disabled with one log line, because the source PR measured
-      ~20 % non-deterministic greedy outputs with retained encoder pages on Ascend paged
-      attention. Opt back in with the environment variable ``MOSSVL_NPU_ENABLE_RADIX_CACHE=1``
-      (the only opt-in path).
-    * NPU: decode graphs (``cuda_graph_config.decode``) are forced off with one log line (a
-      direct ``declare_resolution``: the provider gate rejects graph fields): the
-      Ascend graph decode path (FIA with block tables) ignores the encoder prefix and the
-      cross-attention layers.
-    * NPU: start-up is refused with ``ValueError`` when ``ASCEND_USE_FIA`` or ``ASCEND_USE_FA``
-      is truthy (as ``sglang.srt.utils.get_bool_env_var`` reads them): those extend paths
-      attend over the current chunk with a causal mask, which is wrong for cross-attention.
-      Refusing, not overriding, because the variables are read by every worker process at
-      backend construction and silently rewriting a user's environment hides the conflict.
-    * CPU: ``attention_backend`` resolves to ``torch_native`` unless the user chose any
-      attention backend; no flashinfer assertion.
-
-**upstream status / when to remove**: open. Remove when upstream
-    ``arg_groups/model_overrides/moss_vl.py`` accepts non-flashinfer backends that consume
-    ``cross_attention_custom_mask`` and Ascend paged attention is deterministic with a
-    retained encoder prefix.
+Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 """
 
 from __future__ import annotations
@@ -53,14 +9,14 @@ import logging
 import os
 from typing import Any, Callable, Dict
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
+
+from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
 
 logger = logging.getLogger(__name__)
 
 RADIX_OPT_IN_ENV = "MOSSVL_NPU_ENABLE_RADIX_CACHE"
 FORBIDDEN_ASCEND_ENVS = ("ASCEND_USE_FIA", "ASCEND_USE_FA")
-
-_TARGET = "sglang.srt.arg_groups.model_override_base._invoke_provider"
 
 
 def _is_stock_moss_vl_provider(fn: Callable) -> bool:
@@ -161,5 +117,35 @@ def moss_vl_provider_around(
     return original(fn, server_args, hf_config)
 
 
-def register() -> None:
-    HookRegistry.register(_TARGET, moss_vl_provider_around, HookType.AROUND)
+PATCHES = (
+    Patch(
+        title="MOSS-VL server arguments on --device npu and --device cpu",
+        target="sglang.srt.arg_groups.model_override_base._invoke_provider",
+        kind=HookType.AROUND,
+        hook=moss_vl_provider_around,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "stock `_moss_vl_overrides` defaults MOSS-VL to flashinfer prefill and asserts flashinfer, because only "
+            "flashinfer consumed the cross-attention mask; on `--device npu` (ascend backends) and `--device cpu` "
+            "the assertion aborts start-up. The plugin's attention patches make the Ascend native path (and, on "
+            "CPU, torch_native routed through the same math) apply the visibility, so the assertion no longer "
+            "describes a real limitation there. The provider itself cannot be hooked: `_MODEL_OVERRIDE_FNS` holds "
+            "the function object, so the call site is wrapped and only the MOSS-VL provider's call intercepted."
+        ),
+        how=(
+            "for MOSS-VL on `npu`: prefill/decode attention resolve to the user's explicit choice, else "
+            "`--attention-backend`, else `ascend`; `sampling_backend` defaults to `ascend` (so `--device npu` alone "
+            "resolves like the source PR's long command); the radix cache is disabled with one log line (the PR "
+            f"measured ~20 % non-deterministic greedy outputs with retained encoder pages; `{RADIX_OPT_IN_ENV}=1` "
+            "keeps it); decode graphs are forced off (the Ascend graph decode path ignores the encoder); start-up "
+            "is refused when `ASCEND_USE_FIA`/`ASCEND_USE_FA` are set (those extend paths ignore the encoder "
+            "prefix). On `cpu`: `torch_native` unless the user chose a backend. Any other `--device` runs the stock "
+            "provider, assertion included."
+        ),
+        upstream="open in 0.5.23",
+        remove_when=(
+            "upstream `arg_groups/model_overrides/moss_vl.py` accepts non-flashinfer backends that apply the "
+            "visibility, and Ascend paged attention is deterministic with a retained encoder prefix"
+        ),
+    ),
+)

@@ -1,0 +1,1 @@
+"""Shared test builders, oracles and fixtures (imported by test modules; no test module imports another)."""

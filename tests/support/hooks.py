@@ -1,0 +1,63 @@
+"""Apply the plugin's patches for one test and put sglang back exactly as it was afterwards.
+
+Patches go through :func:`mossvl_ascend.registry.apply_patch` and ``HookRegistry.apply_hooks`` exactly as sglang's
+plugin loader does. On exit every wrapped attribute is restored, including the ``from ... import`` copies that
+``HookRegistry`` propagated into other modules, and the registry's own state is restored, so the suite's result
+does not depend on test order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pkgutil
+import sys
+
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+from mossvl_ascend.registry import IMPORT_FALLBACK, Patch, apply_patch
+
+
+def _owner_and_attr(target: str):
+    owner_path, attr = target.rsplit(".", 1)
+    return pkgutil.resolve_name(owner_path), attr
+
+
+def _restore(owner, attr: str, original) -> None:
+    """Put ``original`` back on ``owner`` and in every module that received the wrapped copy."""
+    wrapped = owner.__dict__[attr]
+    setattr(owner, attr, original)
+    if wrapped is original:
+        return
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not namespace:
+            continue
+        for name, value in list(namespace.items()):
+            if value is wrapped:
+                setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def patches_applied(*patches: Patch):
+    """Apply these hook patches (platform checks are the caller's business); restore everything on exit."""
+    if any(p.kind == IMPORT_FALLBACK for p in patches):
+        raise ValueError("import fallbacks change sys.modules; test them in a subprocess")
+    saved_hooks = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
+    saved_patched = set(HookRegistry._patched)
+    HookRegistry.reset()
+    for patch in patches:
+        apply_patch(patch)
+    originals = []
+    for target in HookRegistry._hooks:
+        owner, attr = _owner_and_attr(target)
+        originals.append((owner, attr, owner.__dict__[attr]))
+    HookRegistry.apply_hooks()
+    assert HookRegistry._patched == set(HookRegistry._hooks), "a hook failed to apply"
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(originals):
+            _restore(owner, attr, original)
+        HookRegistry.reset()
+        HookRegistry._hooks.update(saved_hooks)
+        HookRegistry._patched.update(saved_patched)
