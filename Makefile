@@ -10,8 +10,9 @@ CPU_ENV := SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=$(CURDIR)/cpu_shim HF_HUB_OFFLINE=
 PORT ?= 30000
 DEVICE ?= cpu
 ARGS ?=
+PYTEST_ARGS ?=
 
-.PHONY: help setup test demo serve tiny-model bench bench-serving clean
+.PHONY: help setup lint test demo serve tiny-model bench bench-serving clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -31,8 +32,12 @@ $(STAMP): requirements-sglang-runtime.txt requirements-test.txt sglang/pyproject
 tiny-model: setup ## build (or reuse) the tiny random-weight MOSS-VL checkpoint; prints its directory last
 	$(CPU_ENV) $(PY) -m moss_vl_reference.tiny_checkpoint
 
-test: setup ## run the whole CPU test suite
-	$(CPU_ENV) $(PY) -m pytest tests -q
+test: setup lint ## lint, then run the whole CPU test suite (PYTEST_ARGS= adds pytest options, e.g. --random-order)
+	$(CPU_ENV) $(PY) -m pytest tests -q $(PYTEST_ARGS)
+
+lint: setup ## ruff lint and format check over the whole tree (configuration: pyproject.toml)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 demo: setup ## serve the embedded tiny MOSS-VL with sglang + plugin, ask about assets/demo.png, stop the server
 	$(CPU_ENV) $(PY) -m serving.demo

@@ -1,7 +1,7 @@
 """Regression pins for the source PR's small NPU guards that sglang 0.5.23 already handles.
 
 See ``mossvl_ascend/npu_guards.py`` for the catalog. Stand-ins are labelled where used; the
-simulated-NPU import harness is shared with ``test_npu_imports.py``.
+simulated-NPU import harness is ``tests/support/simulated_npu.py``.
 """
 
 import contextlib
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from test_npu_imports import run_simulated_npu
+from support.simulated_npu import run_simulated_npu
 
 PROFILER_MODULES = [
     "sglang.srt.utils.profile_utils",
