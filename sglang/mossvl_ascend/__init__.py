@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 PLUGIN_NAME = "mossvl_ascend"
 
 # One module per patched sglang area; each exposes ``register()``.
-PATCH_MODULES: tuple[str, ...] = ("npu_imports", "server_args", "radix_prefix", "encoder_cache_key", "compact_visibility", "request_validation", "native_attention", "ascend_backend", "cpu_attention")
+PATCH_MODULES: tuple[str, ...] = ("npu_imports", "server_args", "radix_prefix", "encoder_cache_key", "compact_visibility", "request_validation", "native_attention", "ascend_backend", "cpu_attention", "cpu_parallel")
 
 
 def register() -> None:
