@@ -49,6 +49,12 @@ Start-up and NPU guards (``npu_imports``, ``npu_guards``)
      target the module-level import in ``models.qwen3`` (and the Qwen3-ASR adapter) — ``sys.modules`` fallback.
   8. Profiler patch API (torch-npu 2.8 vs 2.10+), scheduler / profiler / disaggregation / dLLM device checks,
      the qwen3-ASR adapter import — already correct or covered by 6 and 7 (``npu_guards`` records each).
+Multi-rank serving (``cpu_parallel``, ``rank_report``)
+ 13. CPU ``--tp-size`` > 1: process groups use gloo collectives instead of a PyNccl communicator (stock crashes
+     with "Expected a cuda device"). target ``distributed.parallel_state.init_model_parallel_group`` — hook
+     (CPU engine only; NPU already uses HCCL).
+ 14. One log line per scheduler rank naming its TP/DP/PP ranks and the active patch modules.
+     target ``managers.scheduler.configure_scheduler_process`` — hook (a diagnostic; NPU and CPU only).
 Requests (``request_validation``)
  11. Missing media paths answer 400 (not 500); ``max_tokens`` <= 0 answers 400. targets
      ``multimodal.processors.moss_vl.MossVLImageProcessor._load_single_item``,
@@ -62,7 +68,7 @@ logger = logging.getLogger(__name__)
 PLUGIN_NAME = "mossvl_ascend"
 
 # One module per patched sglang area; each exposes ``register()``.
-PATCH_MODULES: tuple[str, ...] = ("npu_imports", "server_args", "radix_prefix", "encoder_cache_key", "compact_visibility", "request_validation", "native_attention", "ascend_backend", "cpu_attention", "cpu_parallel")
+PATCH_MODULES: tuple[str, ...] = ("npu_imports", "server_args", "radix_prefix", "encoder_cache_key", "compact_visibility", "request_validation", "native_attention", "ascend_backend", "cpu_attention", "cpu_parallel", "rank_report")
 
 
 def register() -> None:
