@@ -85,8 +85,9 @@ PRESETS = {
     },
 }
 
-# The tiny model with one KV head (multi-query attention): under --tp-size 2 sglang replicates the KV head on both
-# ranks (fewer KV heads than ranks), where "tiny" (2 KV heads) splits them one per rank.
+# The tiny model with one KV head (multi-query attention): fewer KV heads than ranks under --tp-size 2, where "tiny"
+# (2 KV heads) splits them one per rank. sglang's CPU engine pads such a model to 2 KV / 8 query heads (zero heads,
+# `adjust_config_with_unaligned_cpu_tp`); on NPU the self-attention KV head is replicated instead.
 PRESETS["tiny-mqa"] = {**PRESETS["tiny"], "text": {**PRESETS["tiny"]["text"], "num_key_value_heads": 1}}
 
 
