@@ -74,9 +74,12 @@ def report_times(request):
     """Write start-up time per configuration and the module's wall time to the terminal (watch the CI budget)."""
     started = time.monotonic()
     yield
-    summary = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in STARTUP_SECONDS.items())
-    terminal = request.config.pluginmanager.get_plugin("terminalreporter")
-    terminal.write_line(f"multi-rank servers start-up: {summary}; module total {time.monotonic() - started:.1f} s")
+    summary = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in STARTUP_SECONDS.items()) or "none started"
+    plugins = request.config.pluginmanager
+    terminal = plugins.get_plugin("terminalreporter")
+    with plugins.get_plugin("capturemanager").global_and_fixture_disabled():
+        terminal.ensure_newline()
+        terminal.write_line(f"multi-rank servers start-up: {summary}; module total {time.monotonic() - started:.1f} s")
 
 
 @pytest.mark.parametrize("args,ranks", [
