@@ -25,6 +25,9 @@ import pytest
 from openai import OpenAI
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+from mossvl_ascend import cpu_parallel, rank_report
 from mossvl_ascend.cpu_parallel import without_pynccl
 from serving.launch import SglangServer, cpu_threads_bind, rank_count
 from serving_support import CASES, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
@@ -104,6 +107,22 @@ def test_cpu_groups_default_to_no_pynccl_but_keep_an_explicit_choice():
     assert without_pynccl([[0, 1]], 0, "gloo") == (([[0, 1]], 0, "gloo"), {"use_pynccl": False})
     assert without_pynccl([[0, 1]], 0, "gloo", use_pynccl=True)[1] == {"use_pynccl": True}
     assert without_pynccl([[0, 1]], 0, "gloo", True)[1] == {}
+
+
+@pytest.mark.parametrize("module", [cpu_parallel, rank_report], ids=lambda module: module.__name__)
+def test_multi_rank_hooks_register_only_on_the_cpu_engine_here(module, monkeypatch):
+    """Off the CPU engine (and with no NPU) nothing is registered: CUDA keeps stock collectives and logging.
+    sglang caches its device checks, so the platform is simulated by replacing them."""
+    monkeypatch.setitem(HookRegistry._hooks, module.TARGET, [])
+    monkeypatch.setattr("sglang.srt.utils.is_npu", lambda: False)
+    monkeypatch.setattr("sglang.srt.utils.is_cpu", lambda: False)
+    module.register()
+    assert HookRegistry._hooks[module.TARGET] == []
+    monkeypatch.setattr("sglang.srt.utils.is_cpu", lambda: True)
+    module.register()
+    assert [hook for _, hook, _ in HookRegistry._hooks[module.TARGET]] == [
+        module.without_pynccl if module is cpu_parallel else module.report_rank
+    ]
 
 
 def test_plugin_is_active_in_every_rank(served):
