@@ -109,7 +109,8 @@ def engine_env(device: str, extra_args: list[str] | None = None) -> dict[str, st
         ranks = rank_count(list(extra_args or []))
         if ranks > 1:
             settings = multi_rank_cpu_env(ranks, list(os.sched_getaffinity(0)))
-            logger.info("%d CPU ranks: %s", ranks, " ".join(f"{k}={v}" for k, v in settings.items()) or "user's binding")
+            chosen = " ".join(f"{name}={value}" for name, value in settings.items())
+            logger.info("%d CPU ranks: %s", ranks, chosen or "the user's binding")
             env.update(settings)
     return env
 
