@@ -12,7 +12,7 @@ DEVICE ?= cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint test demo serve tiny-model bench bench-serving clean
+.PHONY: help setup lint test catalog demo serve tiny-model bench bench-serving clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -39,13 +39,17 @@ lint: setup ## ruff lint and format check over the whole tree (configuration: py
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+catalog: setup ## regenerate sglang/PATCHES.md from the plugin's patch records (a test fails when it is stale)
+	$(CPU_ENV) $(PY) -m mossvl_ascend.catalog > sglang/PATCHES.md
+
 demo: setup ## serve the embedded tiny MOSS-VL with sglang + plugin, ask about assets/demo.png, stop the server
 	$(CPU_ENV) $(PY) -m serving.demo
 
 MODEL ?= $(shell $(CPU_ENV) $(PY) -m moss_vl_reference.tiny_checkpoint 2>/dev/null | tail -n 1)
-serve: setup ## foreground server on 127.0.0.1:$(PORT); override MODEL=, DEVICE=, PORT=, ARGS=
-	$(if $(filter cpu,$(DEVICE)),$(CPU_ENV)) $(PY) -m sglang.launch_server --model-path $(MODEL) --device $(DEVICE) \
-	  --host 127.0.0.1 --port $(PORT) --trust-remote-code --enable-multimodal --max-total-tokens 16384 $(ARGS)
+# serving.launch adds the CPU engine settings on DEVICE=cpu (and a core split per rank for --tp-size/--dp-size > 1),
+# then execs python -m sglang.launch_server ... --host 127.0.0.1 --trust-remote-code --enable-multimodal.
+serve: setup ## foreground server on 127.0.0.1:$(PORT); override MODEL=, DEVICE=, PORT=, ARGS= (e.g. ARGS="--tp-size 2")
+	$(PY) -m serving.launch --model-path $(MODEL) --device $(DEVICE) --port $(PORT) $(ARGS)
 
 bench: setup ## cross-attention benchmark: dense packed mask vs per-row boundaries vs the FLOP floor (prints a table)
 	$(CPU_ENV) $(PY) benchmarks/bench_cross_attention.py

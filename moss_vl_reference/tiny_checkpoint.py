@@ -1,6 +1,6 @@
 """Build (or reuse) a random-weight MOSS-VL checkpoint that loads with trust_remote_code.
 
-    python -m moss_vl_reference.tiny_checkpoint [--preset tiny|bench] [--out DIR] [--seed N]
+    python -m moss_vl_reference.tiny_checkpoint [--preset tiny|tiny-mqa|bench] [--out DIR] [--seed N]
 
 Prints the checkpoint directory as the last line of stdout. The directory holds config.json
 (with auto_map), model.safetensors (float32, seeded: same seed -> byte-identical weights), a
@@ -84,6 +84,11 @@ PRESETS = {
         "processor": dict(max_pixels=1024 * 1024, video_max_pixels=512 * 512, max_input_pixels=4096 * 4096),
     },
 }
+
+# The tiny model with one KV head (multi-query attention): fewer KV heads than ranks under --tp-size 2, where "tiny"
+# (2 KV heads) splits them one per rank. sglang's CPU engine pads such a model to 2 KV / 8 query heads (zero heads,
+# `adjust_config_with_unaligned_cpu_tp`); on NPU the self-attention KV head is replicated instead.
+PRESETS["tiny-mqa"] = {**PRESETS["tiny"], "text": {**PRESETS["tiny"]["text"], "num_key_value_heads": 1}}
 
 
 def build_tokenizer(vocab_size: int):

@@ -3,11 +3,19 @@
 Used by ``make demo``, the serving tests and the serving benchmark, so every one of them launches the server
 the same way a user does. On ``--device cpu`` the CPU engine environment is added (the import-only
 ``sgl_kernel`` stand-in on ``PYTHONPATH`` and ``SGLANG_USE_CPU_ENGINE=1``); on NPU/CUDA nothing is added.
+A CPU server with more than one rank (``--tp-size``/``--dp-size``/``--pp-size``) also gets a per-rank core
+split (see :func:`multi_rank_cpu_env`).
+
+    python -m serving.launch --model-path DIR [--device cpu] [--port 30000] [sglang arguments ...]
+
+runs the server in the foreground with that environment (``make serve``).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
+import math
 import os
 import signal
 import socket
@@ -25,6 +33,13 @@ CPU_SHIM = REPO_ROOT / "cpu_shim"
 PLUGIN_SRC = REPO_ROOT / "sglang"
 LOG_DIR = REPO_ROOT / "build" / "logs"
 DEFAULT_MAX_TOTAL_TOKENS = 16384
+# sglang's rank-count flags and their long aliases (``arg_groups/fields/parallel.py``); ranks = tp * dp * pp.
+PARALLEL_SIZE_FLAGS = {
+    "--tp-size": "tp", "--tensor-parallel-size": "tp",
+    "--dp-size": "dp", "--data-parallel-size": "dp",
+    "--pp-size": "pp", "--pipeline-parallel-size": "pp",
+}
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
 def free_port() -> int:
@@ -33,16 +48,70 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def engine_env(device: str) -> dict[str, str]:
-    """The process environment for a server on ``device``; CPU gets the CPU-engine settings."""
+def rank_count(extra_args: list[str]) -> int:
+    """Scheduler processes the server will start: tp * dp * pp from sglang's command-line flags."""
+    sizes = {"tp": 1, "dp": 1, "pp": 1}
+    for index, arg in enumerate(extra_args):
+        flag, _, value = arg.partition("=")
+        if flag in PARALLEL_SIZE_FLAGS:
+            sizes[PARALLEL_SIZE_FLAGS[flag]] = int(value or extra_args[index + 1])
+    return math.prod(sizes.values())
+
+
+def core_ranges(cores: list[int]) -> str:
+    """Sorted core ids in sglang's bind syntax: ``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    ranges, start = [], cores[0]
+    for previous, core in zip(cores, cores[1:] + [None]):
+        if core != previous + 1:
+            ranges.append(str(start) if start == previous else f"{start}-{previous}")
+            start = core
+    return ",".join(ranges)
+
+
+def cpu_threads_bind(ranks: int, cores: list[int]) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND``: contiguous, near-equal core groups, one per rank (``"0|1"`` for two
+    ranks on two cores); with fewer cores than ranks, ranks share cores round-robin."""
+    cores = sorted(cores)
+    if ranks >= len(cores):
+        return "|".join(str(cores[rank % len(cores)]) for rank in range(ranks))
+    per_rank, extra = divmod(len(cores), ranks)
+    groups, start = [], 0
+    for rank in range(ranks):
+        size = per_rank + (rank < extra)
+        groups.append(core_ranges(cores[start:start + size]))
+        start += size
+    return "|".join(groups)
+
+
+def multi_rank_cpu_env(ranks: int, cores: list[int]) -> dict[str, str]:
+    """Settings that let a CPU server run ``ranks`` scheduler processes on this machine's ``cores``.
+
+    Without ``SGLANG_CPU_OMP_THREADS_BIND`` stock sglang refuses more ranks than NUMA nodes, so one core group
+    per rank is chosen. sglang applies that bind only with its CPU kernels (AMX or arm64); elsewhere each rank
+    would start one OpenMP thread per core and the ranks would oversubscribe the machine, so
+    ``OMP_NUM_THREADS`` is set to the cores per rank as well. Variables already set by the user win.
+    """
+    settings = {THREADS_BIND_ENV: cpu_threads_bind(ranks, cores), "OMP_NUM_THREADS": str(max(1, len(cores) // ranks))}
+    return {name: value for name, value in settings.items() if name not in os.environ}
+
+
+def engine_env(device: str, extra_args: list[str] | None = None) -> dict[str, str]:
+    """The process environment for a server on ``device`` started with sglang arguments ``extra_args``;
+    CPU gets the CPU-engine settings (and a core split when it runs several ranks)."""
     env = dict(os.environ)
     # This tree's plugin ahead of the editable install, so a git worktree serves its own code.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_SRC), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
     if device == "cpu":
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH", "")) if p)
+        ranks = rank_count(list(extra_args or []))
+        if ranks > 1:
+            settings = multi_rank_cpu_env(ranks, list(os.sched_getaffinity(0)))
+            chosen = " ".join(f"{name}={value}" for name, value in settings.items())
+            logger.info("%d CPU ranks: %s", ranks, chosen or "the user's binding")
+            env.update(settings)
     return env
 
 
@@ -68,7 +137,7 @@ class SglangServer:
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.command = server_command(model_path, self.port, device, extra_args)
-        self.env = engine_env(device)
+        self.env = engine_env(device, extra_args)
         self.ready_timeout_s = ready_timeout_s
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.log_path = LOG_DIR / f"{name}-{self.port}.log"
@@ -133,3 +202,22 @@ class SglangServer:
             return self.log_path.read_text(errors="replace")[-chars:]
         except FileNotFoundError:
             return "(no log)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Foreground server: this module's environment and command, then exec (Ctrl-C stops sglang directly)."""
+    parser = argparse.ArgumentParser(description="Serve MOSS-VL with stock sglang + this plugin (foreground).",
+                                     epilog="Every other argument is passed to sglang.launch_server.")
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--port", type=int, default=30000)
+    args, sglang_args = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    command = server_command(args.model_path, args.port, args.device, sglang_args)
+    env = engine_env(args.device, sglang_args)
+    logger.info("exec: %s", " ".join(command))
+    os.execvpe(command[0], command, env)
+
+
+if __name__ == "__main__":
+    main()

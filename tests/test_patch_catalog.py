@@ -1,7 +1,7 @@
 """The patch records are the single source of truth: the catalog is rendered from them, every record names a real
 sglang target and a real test, and the platform decides what is applied (nothing on GPUs).
 
-Oracles: the committed ``sglang/PATCHES.md`` (regenerate with ``python -m mossvl_ascend.catalog``), sglang's own
+Oracles: the committed ``sglang/PATCHES.md`` (regenerate with ``make catalog``), sglang's own
 modules (``pkgutil.resolve_name``), the test files' source, and sglang's HookRegistry after ``apply_patches``.
 """
 
@@ -27,7 +27,7 @@ CATALOG = REPO_ROOT / "sglang" / "PATCHES.md"
 
 def test_committed_catalog_is_rendered_from_the_records():
     assert CATALOG.read_text() == render_catalog(), (
-        "sglang/PATCHES.md is stale: run `python -m mossvl_ascend.catalog > sglang/PATCHES.md`"
+        "sglang/PATCHES.md is stale: run `make catalog`"
     )
 
 

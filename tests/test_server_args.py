@@ -187,3 +187,16 @@ def test_cuda_keeps_stock_flashinfer_default(model_dir):
 def test_cuda_keeps_stock_flashinfer_assertion(model_dir):
     with pytest.raises(AssertionError, match=FLASHINFER_ASSERTION):
         resolve(model_dir, "--device", "cuda", "--attention-backend", "triton")
+
+
+@pytest.mark.parametrize("ranks_flag", [["--tp-size", "8"], ["--dp-size", "8"]], ids=["tp8", "dp8"])
+def test_npu_source_pr_command_on_eight_cards(model_dir, npu_memory_stand_in, ranks_flag):
+    """The source PR's 8-card 910B command line: MOSS-VL resolution does not depend on the rank count."""
+    view = resolve(model_dir, *SOURCE_PR_COMMAND, *ranks_flag)
+    size = int(ranks_flag[1])
+    assert (view.tp_size, view.dp_size) == ((size, 1) if ranks_flag[0] == "--tp-size" else (1, size))
+    assert backends(view) == ("ascend", "ascend", "ascend", "ascend")
+    assert view.mm_attention_backend == "ascend_attn"
+    assert view.disable_radix_cache is True
+    assert view.cuda_graph_config.decode.backend == "disabled"
+    assert view.page_size == 128

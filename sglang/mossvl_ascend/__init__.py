@@ -28,6 +28,8 @@ PATCH_MODULES: tuple[str, ...] = (
     "native_attention",
     "ascend_backend",
     "cpu_attention",
+    "cpu_parallel",
+    "rank_report",
 )
 
 

@@ -1,6 +1,6 @@
 """Render the patch catalog (``sglang/PATCHES.md``) from the patch records.
 
-``python -m mossvl_ascend.catalog > sglang/PATCHES.md`` regenerates it; ``tests/test_patch_catalog.py`` fails when
+``make catalog`` regenerates it; ``tests/test_patch_catalog.py`` fails when
 the committed file differs, so the catalog cannot drift from the code.
 """
 
@@ -13,7 +13,7 @@ HEADER = """\
 
 Every change the `mossvl_ascend` plugin makes to stock sglang 0.5.23, and every fix of the source PR that 0.5.23
 no longer needs. Generated from the `PATCHES` / `VERIFIED` records of the patch modules by
-`python -m mossvl_ascend.catalog > sglang/PATCHES.md`; a test fails when this file is stale. Platforms: `npu`
+`make catalog`; a test fails when this file is stale. Platforms: `npu`
 (Ascend), `cpu` (the CPU server); on CUDA and other GPUs nothing is applied and sglang runs exactly as stock.
 """
 
