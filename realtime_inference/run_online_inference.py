@@ -21,11 +21,14 @@ a frame's image, which is the binary message right after its header:
     prompt {text}                                                -> prompt_ack
     frame {timestamp[, prompt]} + binary JPEG/PNG                -> frame_ack {timestamp, dropped_oldest, pending_frames}
     video {path[, sample_fps, playback_speed, max_frames]}       -> video_started ... video_end {frames_sent, frames_dropped}
+                   (a server-side file, only under --media-root; refused when the service has none)
     stop_video                                                   -> video_end, stop_video_ack
     stop                                                         -> stopping ... session_end (then the socket closes)
 Model text arrives as ``output {text}`` whenever it is produced. Every output is sent before ``session_end``
 or a fatal ``error``. A bad message (unknown type, frame without bytes, undecodable image, frame over
 ``--max-frame-bytes``, empty prompt, ...) is answered with ``error {message}`` and the session goes on.
+A client that disconnects without ``stop`` aborts its session: the answer being generated stops after its
+current token and prompts not yet answered are dropped.
 """
 
 from __future__ import annotations
@@ -41,21 +44,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+# Run as a script (`python realtime_inference/run_online_inference.py`), this folder is sys.path[0]; the shared
+# modules live at the repository root.
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
 
 from fastapi import FastAPI, WebSocket  # noqa: E402
 from PIL import Image, UnidentifiedImageError  # noqa: E402
 
 import device_utils  # noqa: E402
+from moss_vl_reference.queries_moss_vl import ERROR_PREFIX  # noqa: E402
 from realtime_inference import video_sources  # noqa: E402
 from realtime_inference.video_sources import FrameEvent, PromptEvent  # noqa: E402
 
 logger = logging.getLogger("run_online_inference")
 
 DEFAULT_PROMPT = "Describe what you see."
-ERROR_PREFIX = "[ERROR] "
 ACCEPTED_IMAGE_FORMATS = ("JPEG", "PNG")
 SESSION_ENDED = object()  # next_session_output's answer once the session has stopped and is fully drained
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
@@ -113,10 +118,11 @@ def sampling_kwargs(values: dict) -> dict:
     return {key: values[key] for key in SAMPLING_KEYS if values.get(key) is not None}
 
 
-def load_model(args: argparse.Namespace) -> tuple[Any, Any, dict]:
-    from inference.run_inference import load_model as load_reference_model  # torch/transformers: only when needed
+def load_realtime_model(args: argparse.Namespace) -> tuple[Any, Any, dict]:
+    """The runners' shared loader, plus a check that the checkpoint has the realtime API."""
+    from inference.model_loading import load_model  # torch/transformers: only when a model is needed
 
-    model, processor, metadata = load_reference_model(args.checkpoint, args.device_map, args.dtype, args.attention_backend)
+    model, processor, metadata = load_model(args.checkpoint, args.device_map, args.dtype, args.attention_backend)
     if not callable(getattr(model, "create_realtime_session", None)):
         raise RuntimeError(f"{args.checkpoint} has no realtime API (create_realtime_session); use a MOSS-VL realtime checkpoint")
     return model, processor, metadata
@@ -194,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     service.add_argument("--host", default="127.0.0.1", help="service address (default 127.0.0.1)")
     service.add_argument("--port", type=int, default=8000, help="service port (default 8000)")
     service.add_argument("--max-frame-bytes", type=int, default=20 * 1024 * 1024, help="largest accepted frame image (default 20 MiB)")
+    service.add_argument(
+        "--media-root", type=Path, default=None,
+        help="folder whose video files clients may stream with a 'video' message (paths relative to it or inside "
+        "it); default: none, 'video' messages are refused",
+    )
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level (default INFO)")
     return parser
 
@@ -221,6 +232,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--checkpoint is required (except with --dry-run)")
     if args.serve and args.dry_run:
         parser.error("--serve and --dry-run exclude each other")
+    if args.media_root is not None and not args.media_root.is_dir():
+        parser.error(f"--media-root {args.media_root} is not a folder")
     return args
 
 
@@ -276,7 +289,7 @@ def stream_source(args: argparse.Namespace) -> int:
     if args.dry_run:
         dry_run(events, playback_speed)
         return 0
-    model, processor, metadata = load_model(args)
+    model, processor, metadata = load_realtime_model(args)
     initial_prompt = args.prompt if args.prompt is not None else ("" if args.source == "dataset" else DEFAULT_PROMPT)
     system_prompt = args.system_prompt if args.system_prompt is not None else (settings["system_prompt"] or "")
     session = model.create_realtime_session(
@@ -328,6 +341,20 @@ def decode_frame(data: bytes, max_bytes: int) -> Image.Image:
         raise ClientError(f"cannot decode frame image: {error}") from error
 
 
+def media_path(requested: str, media_root: Optional[Path]) -> Path:
+    """The server-side file a ``video`` message names, which must lie under ``media_root`` once symlinks and
+    ``..`` are resolved; without a media root no path is served."""
+    if media_root is None:
+        raise ClientError("server-side video is disabled: start the service with --media-root DIR to stream files under DIR")
+    if not requested:
+        raise ClientError("'path' must name a video file under the media root")
+    root = media_root.resolve()
+    path = (root / requested).resolve()  # an absolute `requested` replaces root here and is checked all the same
+    if not path.is_relative_to(root):
+        raise ClientError(f"video path {requested!r} is outside the media root")
+    return path
+
+
 def _number(payload: dict, key: str, default: Any, kind: type, minimum: float) -> Any:
     value = payload.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)) or value < minimum:
@@ -356,6 +383,7 @@ class RealtimeConnection:
         self.last_timestamp: Optional[float] = None
         self.video_task: Optional[asyncio.Task] = None
         self.video_stop = threading.Event()
+        self.stopped_by_client = False
 
     async def send(self, message: dict) -> None:
         async with self.send_lock:
@@ -463,7 +491,8 @@ class RealtimeConnection:
     async def on_video(self, payload: dict) -> None:
         if self.video_task is not None:
             raise ClientError("a video is already playing; send stop_video first")
-        path = _text(payload, "path")
+        requested = _text(payload, "path")
+        path = media_path(requested, self.defaults.media_root)
         sample_fps = _number(payload, "sample_fps", self.defaults.sample_fps, float, 1e-6)
         playback_speed = _number(payload, "playback_speed", self.defaults.playback_speed, float, 0.0)
         max_frames = _number(payload, "max_frames", self.defaults.max_frames, int, 0)
@@ -474,7 +503,7 @@ class RealtimeConnection:
         # Video frames continue the stream's clock after the last frame already in the session.
         offset = 0.0 if self.last_timestamp is None else self.last_timestamp + 1.0 / sample_fps
         self.video_stop.clear()
-        await self.send({"type": "video_started", "path": path})
+        await self.send({"type": "video_started", "path": requested})
         self.video_task = asyncio.create_task(self.play_video(frames, playback_speed, offset))
 
     async def play_video(self, frames: Iterable, playback_speed: float, offset: float) -> None:
@@ -501,6 +530,7 @@ class RealtimeConnection:
             await task
 
     async def on_stop(self, payload: dict) -> str:
+        self.stopped_by_client = True
         await self.send({"type": "stopping"})
         await self.finish_video()
         await asyncio.to_thread(self.session.stop)  # the worker answers prompts already asked, then ends
@@ -528,7 +558,8 @@ class RealtimeConnection:
                 await self.send({"type": "output", "text": chunk})
 
     async def shutdown(self) -> None:
-        """Release the session when the client leaves (or after stop): no thread keeps generating for nobody."""
+        """Release the session when the client leaves (or after stop): no thread keeps generating for nobody.
+        A client gone without ``stop`` aborts the answer in progress instead of waiting for it."""
         if self.pump is not None and not self.pump.done():
             self.pump.cancel()
         if self.pump is not None:
@@ -544,7 +575,7 @@ class RealtimeConnection:
         if self.video_task is not None:
             await asyncio.gather(self.video_task, return_exceptions=True)
         if self.session.active:
-            await asyncio.to_thread(self.session.stop)
+            await asyncio.to_thread(self.session.stop if self.stopped_by_client else self.session.abort)
 
 
 def create_service_app(model: Any, processor: Any, defaults: argparse.Namespace, metadata: Optional[dict] = None) -> FastAPI:
@@ -578,7 +609,7 @@ def serve(args: argparse.Namespace) -> int:
 
     if not any(importlib.util.find_spec(name) for name in ("websockets", "wsproto")):
         raise SystemExit("--serve needs a WebSocket library for uvicorn: pip install websockets")
-    model, processor, metadata = load_model(args)
+    model, processor, metadata = load_realtime_model(args)
     app = create_service_app(model, processor, args, metadata)
     logger.info("serving ws://%s:%d/v1/realtime and http://%s:%d/health", args.host, args.port, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())

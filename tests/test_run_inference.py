@@ -1,5 +1,6 @@
-"""inference/run_inference.py: query normalisation, device/attention wiring, and end-to-end runs on the
-example query files with the tiny checkpoint.
+"""inference/run_inference.py: query normalisation (moss_vl_reference/queries_moss_vl.py, with the runner's
+generate defaults), device/attention wiring (inference/model_loading.py), and end-to-end runs on the example
+query files with the tiny checkpoint.
 
 Oracles: hand-written canonical queries; the reference model's own ``offline_batch_generate`` fed with
 queries the test builds itself (absolute paths, placeholders materialised by hand), greedy, float32.
@@ -18,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 
 import device_utils
-from inference import run_inference
+from inference import model_loading, run_inference
+from moss_vl_reference import queries_moss_vl as queries
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO_ROOT / "inference" / "examples"
@@ -42,15 +44,19 @@ def video(value) -> dict:
 # ------------------------------------------------------------------------------ query normalisation
 
 
+def normalize(raw):
+    return queries.normalize_query(raw, run_inference.GENERATE_DEFAULTS)
+
+
 def test_prompt_without_placeholders_puts_media_first():
-    query = run_inference.normalize_query({"prompt": "What is it?", "images": ["a.png"], "videos": ["v.mp4"]})
+    query = normalize({"prompt": "What is it?", "images": ["a.png"], "videos": ["v.mp4"]})
     assert query["messages"] == [{"role": "user", "content": [image("a.png"), video("v.mp4"), text("What is it?")]}]
     assert query["generate_kwargs"] == {"max_new_tokens": 256, "do_sample": False}
     assert query["media_kwargs"] == {}
 
 
 def test_prompt_placeholders_take_media_in_order_and_system_prompt_leads():
-    query = run_inference.normalize_query(
+    query = normalize(
         {
             "prompt": "A <|image|> then <|video|> then <|image|>.",
             "images": ["1.png", "2.png"],
@@ -69,7 +75,7 @@ def test_prompt_placeholders_take_media_in_order_and_system_prompt_leads():
 
 
 def test_messages_placeholders_image_url_and_trailing_assistant():
-    query = run_inference.normalize_query(
+    query = normalize(
         {
             "messages": [
                 {"role": "user", "content": "<|image|>How many?"},
@@ -105,7 +111,7 @@ def test_messages_placeholders_image_url_and_trailing_assistant():
 )
 def test_malformed_queries_name_the_problem(raw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("|", r"\|")):
-        run_inference.normalize_query(raw)
+        normalize(raw)
 
 
 def test_media_paths_resolve_against_the_query_folder(tmp_path):
@@ -127,7 +133,7 @@ def test_media_paths_resolve_against_the_query_folder(tmp_path):
         "media_kwargs": {},
         "generate_kwargs": {},
     }
-    resolved = run_inference.resolve_query_media_paths(query, tmp_path)
+    resolved = queries.resolve_query_media_paths(query, tmp_path)
     assert resolved["messages"][0]["content"] == [
         image(str((tmp_path / "sub/a.png").resolve())),
         image("/abs/b.png"),
@@ -138,6 +144,14 @@ def test_media_paths_resolve_against_the_query_folder(tmp_path):
         text("hi"),
     ]
     assert query["messages"][0]["content"][0] == image("sub/a.png"), "the input query must not be modified"
+
+
+def test_data_urls_carry_the_file_bytes_and_its_mime_type(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"\x89PNG fake")
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x01mp4")
+    assert queries.file_data_url(tmp_path / "a.png") == "data:image/png;base64,iVBORyBmYWtl"
+    assert queries.file_data_url(tmp_path / "clip.mp4") == "data:video/mp4;base64,AAFtcDQ="
+    assert queries.data_url(b"hi", "text/plain") == "data:text/plain;base64,aGk="
 
 
 def test_load_queries_reads_json_lists_and_jsonl(tmp_path):
@@ -182,8 +196,8 @@ def simulated_device(monkeypatch):
         monkeypatch.setattr(device_utils, "detect_device_type", lambda: device_type)
         monkeypatch.setattr(device_utils, "_accelerator_module", lambda: None if device_type == "cpu" else accelerator)
         loader = RecordingLoader()
-        monkeypatch.setattr(run_inference, "AutoModelForCausalLM", loader)
-        monkeypatch.setattr(run_inference, "AutoProcessor", RecordingLoader())
+        monkeypatch.setattr(model_loading, "AutoModelForCausalLM", loader)
+        monkeypatch.setattr(model_loading, "AutoProcessor", RecordingLoader())
         return loader
 
     return simulate
@@ -203,10 +217,10 @@ def simulated_device(monkeypatch):
 )
 def test_attention_and_device_reach_from_pretrained(simulated_device, device_type, overrides, attn, target, dtype):
     loader = simulated_device(device_type)
-    _, _, metadata = run_inference.load_model("ckpt", **overrides)
+    _, _, metadata = model_loading.load_model("ckpt", **overrides)
     (kwargs,) = loader.calls
     assert kwargs["attn_implementation"] == attn
-    assert kwargs["dtype"] == run_inference.DTYPES[dtype]
+    assert kwargs["dtype"] == model_loading.DTYPES[dtype]
     assert kwargs["trust_remote_code"] is True
     assert "cross_attention_implementation" not in kwargs
     assert loader.moved_to == target
@@ -215,7 +229,7 @@ def test_attention_and_device_reach_from_pretrained(simulated_device, device_typ
 
 def test_cross_attention_implementation_forwarded_only_when_given(simulated_device):
     loader = simulated_device("npu")
-    run_inference.load_model("ckpt", cross_attention_implementation="sdpa")
+    model_loading.load_model("ckpt", cross_attention_implementation="sdpa")
     assert loader.calls[0]["attn_implementation"] == "eager"
     assert loader.calls[0]["cross_attention_implementation"] == "sdpa"
 
@@ -223,7 +237,7 @@ def test_cross_attention_implementation_forwarded_only_when_given(simulated_devi
 def test_missing_accelerator_is_an_error_not_a_fallback(simulated_device):
     simulated_device("cpu")
     with pytest.raises(SystemExit, match="device 'npu' requested, but this machine offers cpu"):
-        run_inference.load_model("ckpt", device="npu")
+        model_loading.load_model("ckpt", device="npu")
 
 
 class ScriptedStreamModel:
@@ -237,14 +251,14 @@ class ScriptedStreamModel:
         while not (query := in_queue.get()).get("stop_offline_generate"):
             prompt = query["messages"][-1]["content"][-1]["text"]
             time.sleep(self.delays.get(prompt, 0.0))
-            out_queue.put(run_inference.ROUND_START)
+            out_queue.put(queries.ROUND_START)
             if prompt in self.fails:
-                out_queue.put(f"{run_inference.ERROR_PREFIX}ValueError: cannot answer {prompt}")
+                out_queue.put(f"{queries.ERROR_PREFIX}ValueError: cannot answer {prompt}")
             else:
                 answer = prompt[::-1]
                 out_queue.put(answer[:2])
                 out_queue.put(answer[2:])
-            out_queue.put(run_inference.ROUND_END)
+            out_queue.put(queries.ROUND_END)
 
 
 def test_a_query_past_its_deadline_fails_alone_and_its_late_text_goes_nowhere(tmp_path):

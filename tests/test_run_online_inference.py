@@ -124,7 +124,7 @@ class RecordingSession:
     def __init__(self, frame_queue_size, fail_on_poll=None, fail_turn_on=None):
         self.frames, self.prompts, self.outputs = [], [], queue.Queue()
         self.frame_queue_size, self.fail_on_poll, self.fail_turn_on = frame_queue_size, fail_on_poll, fail_turn_on
-        self.started = self.stopped = False
+        self.started = self.stopped = self.aborted = False
         self.polls = 0
 
     @property
@@ -164,6 +164,9 @@ class RecordingSession:
         self.outputs.put("final queued piece")
         self.stopped = True
 
+    def abort(self):
+        self.aborted = self.stopped = True
+
 
 class RecordingModel:
     def __init__(self, **session_kwargs):
@@ -179,6 +182,7 @@ def service_defaults(**overrides) -> Namespace:
     values = dict(
         prompt=None, system_prompt=None, frame_queue_size=2, max_new_tokens=16, do_sample=False, temperature=0.7,
         top_k=20, top_p=0.8, repetition_penalty=1.0, max_frame_bytes=4096, sample_fps=2.0, playback_speed=0.0, max_frames=0,
+        media_root=None,
     )
     return Namespace(**{**values, **overrides})
 
@@ -258,7 +262,7 @@ BAD_MESSAGES = [
     ({"type": "frame", "timestamp": -1}, None, "'timestamp' must be a number >= 0.0"),
     ({"type": "frame"}, None, "'timestamp' must be a number"),
     ({"type": "frame", "timestamp": 1.0, "prompt": ""}, None, "prompt must be a non-empty string"),
-    ({"type": "video", "path": "/nonexistent/clip.mp4"}, None, "video file not found"),
+    ({"type": "video", "path": "missing_clip.mp4"}, None, "video file not found"),
     ("{not json", None, "message is not JSON"),
     (["a", "list"], None, "JSON object with a string 'type'"),
     ({"type": "start"}, None, "already started"),
@@ -267,7 +271,7 @@ BAD_MESSAGES = [
 
 @pytest.mark.parametrize(("first", "second", "error"), BAD_MESSAGES)
 def test_bad_messages_get_an_error_and_the_session_survives(service, first, second, error):
-    model, client = service()
+    model, client = service(media_root=MEDIA)
     with client, client.websocket_connect("/v1/realtime") as ws:
         ws.send_json({"type": "start"})
         assert ws.receive_json() == {"type": "ready"}
@@ -347,11 +351,31 @@ def test_second_client_is_refused_with_1013_while_a_session_is_active(service):
         with client.websocket_connect("/v1/realtime") as third:  # free again after the first client left
             third.send_json({"type": "start"})
             assert third.receive_json() == {"type": "ready"}
-    assert model.sessions[0].stopped, "a client that leaves without 'stop' still releases its session"
+    assert model.sessions[0].aborted, "a client that leaves without 'stop' still releases its session"
+
+
+def test_stop_finishes_the_answers_and_a_disconnect_aborts_them(service):
+    model, client = service()
+    with client:
+        for leave_with_stop in (True, False):
+            with client.websocket_connect("/v1/realtime") as ws:
+                ws.send_json({"type": "start"})
+                ws.send_json({"type": "prompt", "text": "still thinking"})
+                receive_until(ws, "prompt_ack")
+                if leave_with_stop:
+                    ws.send_json({"type": "stop"})
+                    receive_until(ws, "session_end")
+            deadline = time.monotonic() + 10
+            while client.get("/health").json()["busy"]:  # the server notices the disconnect asynchronously
+                assert time.monotonic() < deadline, "the session was never released"
+                time.sleep(0.01)
+    graceful, abandoned = model.sessions
+    assert (graceful.stopped, graceful.aborted) == (True, False)
+    assert (abandoned.stopped, abandoned.aborted) == (True, True)
 
 
 def test_server_side_video_is_streamed_into_the_session(service):
-    model, client = service(frame_queue_size=64)
+    model, client = service(frame_queue_size=64, media_root=MEDIA)
     with client, client.websocket_connect("/v1/realtime") as ws:
         ws.send_json({"type": "start"})
         ws.send_json({"type": "frame", "timestamp": 10.0})
@@ -373,10 +397,10 @@ def test_server_side_video_is_streamed_into_the_session(service):
 
 
 def test_stop_video_interrupts_a_paced_video(service):
-    model, client = service(frame_queue_size=64)
+    model, client = service(frame_queue_size=64, media_root=MEDIA)
     with client, client.websocket_connect("/v1/realtime") as ws:
         ws.send_json({"type": "start"})
-        ws.send_json({"type": "video", "path": str(CLIP), "sample_fps": 4.0, "playback_speed": 0.5})  # 16 frames over 8 s
+        ws.send_json({"type": "video", "path": CLIP.name, "sample_fps": 4.0, "playback_speed": 0.5})  # 16 frames over 8 s
         receive_until(ws, "video_started")
         ws.send_json({"type": "frame", "timestamp": 1.0})
         assert "stop_video" in of_type(receive_until(ws, "error"), "error")[0]["message"]
@@ -387,6 +411,36 @@ def test_stop_video_interrupts_a_paced_video(service):
     (end,) = of_type(messages, "video_end")
     assert end["frames_sent"] < 16, "stop_video ended the 8-second video early"
     assert len(model.sessions[0].frames) == end["frames_sent"]
+
+
+def test_video_paths_are_refused_without_a_media_root_and_outside_it(service, tmp_path):
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "clip.mp4").symlink_to(CLIP)  # a link inside the root to a file outside it
+    (root / "escape").symlink_to(tmp_path)
+    requests = {
+        None: [(str(CLIP), "start the service with --media-root DIR")],
+        root: [
+            (str(CLIP), "outside the media root"),
+            ("clip.mp4", "outside the media root"),
+            ("../media/../" + CLIP.name, "outside the media root"),
+            ("escape/media/clip.mp4", "outside the media root"),
+            ("/etc/passwd", "outside the media root"),
+            ("", "must name a video file"),
+            ("missing.mp4", "missing.mp4"),
+        ],
+    }
+    for media_root, attempts in requests.items():
+        model, client = service(media_root=media_root)
+        with client, client.websocket_connect("/v1/realtime") as ws:
+            ws.send_json({"type": "start"})
+            for path, message in attempts:
+                ws.send_json({"type": "video", "path": path})
+                (error,) = of_type(receive_until(ws, "error"), "error")
+                assert message in error["message"], (path, error)
+            ws.send_json({"type": "ping"})
+            assert receive_until(ws, "pong")[-1] == {"type": "pong"}, "the session goes on"
+        assert model.sessions[0].frames == []
 
 
 def test_next_session_output_catches_a_piece_put_as_the_session_ends():
@@ -418,7 +472,7 @@ def test_next_session_output_catches_a_piece_put_as_the_session_ends():
 def tiny_model():
     checkpoint = build_or_reuse()
     args = online.parse_args(["--checkpoint", str(checkpoint), "--device-map", "cpu", "--dtype", "float32"])
-    model, processor, metadata = online.load_model(args)
+    model, processor, metadata = online.load_realtime_model(args)
     return checkpoint, model, processor, metadata
 
 
@@ -495,6 +549,7 @@ def test_cli_reports_a_missing_camera_clearly():
         ([], "--checkpoint is required"),
         (["--prompt-at", "soon=hello", "--dry-run"], "expected SECONDS=TEXT"),
         (["--serve", "--dry-run"], "exclude each other"),
+        (["--dry-run", "--media-root", "/nonexistent/media"], "is not a folder"),
     ],
 )
 def test_cli_rejects_bad_arguments(capsys, argv, message):
