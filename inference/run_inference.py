@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--cross-attention-implementation", default=None,
-        help="forwarded to from_pretrained only when given (e.g. flash_attention_3 for a checkpoint's FA3 kernel)",
+        help="forwarded to from_pretrained only when given: eager or sdpa for the reference model; e.g. "
+        "flash_attention_3 for a checkpoint whose remote code ships an FA3 cross-attention kernel",
     )
     parser.add_argument("--timeout-seconds", type=float, default=300.0, help="deadline of each query in seconds (default 300)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level (default INFO)")

@@ -6,7 +6,6 @@ Talks to the server only through the official ``openai`` client, exactly as a us
 from __future__ import annotations
 
 import argparse
-import base64
 import logging
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
+from moss_vl_reference.queries_moss_vl import file_data_url
 from serving.launch import REPO_ROOT, SglangServer
 
 DEFAULT_IMAGE = REPO_ROOT / "assets" / "demo.png"
@@ -30,11 +30,6 @@ def build_tiny_checkpoint() -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
-def image_data_url(path: Path) -> str:
-    mime = "image/png" if path.suffix.lower() == ".png" else "image/jpeg"
-    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
-
-
 def ask(base_url: str, image: Path, question: str, max_tokens: int) -> dict:
     """One streamed chat completion; returns the reply, token usage and time to first token."""
     client = OpenAI(base_url=f"{base_url}/v1", api_key="not-needed")
@@ -45,7 +40,7 @@ def ask(base_url: str, image: Path, question: str, max_tokens: int) -> dict:
     stream = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": image_data_url(image)}},
+            {"type": "image_url", "image_url": {"url": file_data_url(image)}},
             {"type": "text", "text": question},
         ]}],
         max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
