@@ -117,3 +117,22 @@ def test_online_generate_streams_answers_until_stopped(model, processor):
     worker.join(timeout=60)
     assert not worker.is_alive()
     assert outbox.qsize() >= 2
+
+
+def test_realtime_abort_stops_the_running_answer_and_drops_waiting_prompts(model, processor):
+    """stop() answers every prompt asked; abort() (a client gone) ends the answer in progress after its current
+    token. A 100000-token answer (eos disabled) would run for minutes; aborted, the session ends at once."""
+    session = model.create_realtime_session(processor, frame_queue_size=2, max_tokens_per_turn=100_000, eos_token_id=[])
+    session.start()
+    session.push_frame(frames(1)[0], timestamp=0.0)
+    session.prompt("Talk forever.")
+    session.prompt("And then this.")
+    first = None
+    while first is None:
+        first = session.poll_output(5.0)
+    started = time.monotonic()
+    session.abort()
+    assert time.monotonic() - started < 10 and not session.active
+    assert session.history and session.history[0][0] == "Talk forever."
+    assert len(processor.tokenizer(session.history[0][1])["input_ids"]) < 1000
+    assert [prompt for prompt, _ in session.history] == ["Talk forever."], "the waiting prompt was dropped"
