@@ -39,18 +39,26 @@ def _npu_usable() -> bool:
     except ModuleNotFoundError as exc:
         if exc.name == "torch_npu":
             return False
-        logger.warning("torch_npu is installed but failed to import (%s: %s); not using the NPU", type(exc).__name__, exc)
+        logger.warning(
+            "torch_npu is installed but failed to import (%s: %s); not using the NPU", type(exc).__name__, exc
+        )
         return False
     except Exception as exc:  # a broken CANN install raises OSError/RuntimeError/ImportError from inside torch_npu
-        logger.warning("torch_npu is installed but failed to import (%s: %s); not using the NPU", type(exc).__name__, exc)
+        logger.warning(
+            "torch_npu is installed but failed to import (%s: %s); not using the NPU", type(exc).__name__, exc
+        )
         return False
     try:
         available = bool(torch.npu.is_available()) and torch.npu.device_count() > 0
     except Exception as exc:
-        logger.warning("torch_npu imported but querying NPUs failed (%s: %s); not using the NPU", type(exc).__name__, exc)
+        logger.warning(
+            "torch_npu imported but querying NPUs failed (%s: %s); not using the NPU", type(exc).__name__, exc
+        )
         return False
     if not available:
-        logger.warning("torch_npu imported but reports no NPU device (is CANN's set_env.sh sourced?); not using the NPU")
+        logger.warning(
+            "torch_npu imported but reports no NPU device (is CANN's set_env.sh sourced?); not using the NPU"
+        )
     return available
 
 

@@ -39,7 +39,11 @@ def measure(frames: int, size: int, chunk: int, reference: str | None) -> dict:
     torch.manual_seed(0)
     vision = dict(PRESETS["bench"]["vision"], out_hidden_size=128, patch_size=16, spatial_merge_size=2)
     text = dict(PRESETS["tiny"]["text"])
-    text["rope_scaling"] = {"rope_type": "default", "mrope_section": text.pop("mrope_section"), "mrope_interleaved": True}
+    text["rope_scaling"] = {
+        "rope_type": "default",
+        "mrope_section": text.pop("mrope_section"),
+        "mrope_interleaved": True,
+    }
     model = MossVLForConditionalGeneration(MossVLConfig(text_config=text, vision_config=vision)).eval()
     side = size // 16
     grid_thw = torch.tensor([[frames, side, side]])
@@ -73,7 +77,16 @@ def main() -> int:
     reference = str(REPO_ROOT / "build" / "bench_vision_chunking_reference.pt")
     rows = []
     for index, chunk in enumerate([0] + [c for c in args.chunks if c]):
-        command = [sys.executable, __file__, "--frames", str(args.frames), "--size", str(args.size), "--one", str(chunk)]
+        command = [
+            sys.executable,
+            __file__,
+            "--frames",
+            str(args.frames),
+            "--size",
+            str(args.size),
+            "--one",
+            str(chunk),
+        ]
         if index:
             command += ["--reference", reference]
         result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])

@@ -30,7 +30,9 @@ def choose_device(requested: str) -> tuple[str, str]:
         return detected, device_utils.get_device_str(0)
     device_type, _, index = requested.partition(":")
     if device_type not in ("cpu", detected) or (index and not index.isdigit()) or (device_type == "cpu" and index):
-        raise SystemExit(f"device {requested!r} requested, but this machine offers {detected} ({device_utils.describe()})")
+        raise SystemExit(
+            f"device {requested!r} requested, but this machine offers {detected} ({device_utils.describe()})"
+        )
     logger.info("device %s requested", requested)
     return device_type, "cpu" if device_type == "cpu" else device_utils.get_device_str(int(index or 0))
 

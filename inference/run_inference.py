@@ -128,7 +128,9 @@ def run_queries(model: Any, processor: Any, raw_queries: list, base_dir: Path, t
             logger.error("query %d failed: %s: %s", index, type(error).__name__, error)
             if "messages" not in result:  # normalisation failed: keep the query as the user wrote it
                 result["query"] = raw
-            result["error"] = str(error) if isinstance(error, ModelReportedError) else f"{type(error).__name__}: {error}"
+            result["error"] = (
+                str(error) if isinstance(error, ModelReportedError) else f"{type(error).__name__}: {error}"
+            )
         result["elapsed_seconds"] = round(time.perf_counter() - started, 3)
         results.append(result)
     return results
@@ -141,29 +143,49 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Run MOSS-VL queries from a JSON/JSONL file with plain transformers (NPU, CUDA or CPU).",
     )
-    parser.add_argument("--checkpoint", required=True, type=Path, help="local MOSS-VL checkpoint directory (remote code inside)")
-    parser.add_argument("--input", required=True, type=Path, help="queries: a JSON list or a .jsonl file, one query per line")
-    parser.add_argument("--output", type=Path, default=None, help="results JSON (default: <input stem>_results.json next to the input)")
     parser.add_argument(
-        "--device", choices=("auto", "npu", "cuda", "cpu"), default="auto",
+        "--checkpoint", required=True, type=Path, help="local MOSS-VL checkpoint directory (remote code inside)"
+    )
+    parser.add_argument(
+        "--input", required=True, type=Path, help="queries: a JSON list or a .jsonl file, one query per line"
+    )
+    parser.add_argument(
+        "--output", type=Path, default=None, help="results JSON (default: <input stem>_results.json next to the input)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "npu", "cuda", "cpu"),
+        default="auto",
         help="default auto: NPU if present, else CUDA, else CPU; naming an accelerator this machine lacks is an error",
     )
     parser.add_argument(
-        "--dtype", choices=tuple(DTYPES), default=None,
+        "--dtype",
+        choices=tuple(DTYPES),
+        default=None,
         help="weights/activations dtype (default: bfloat16 on NPU/CUDA, float32 on CPU)",
     )
     parser.add_argument(
-        "--attention-backend", choices=("auto",) + device_utils.ATTN_IMPLEMENTATIONS, default="auto",
+        "--attention-backend",
+        choices=("auto",) + device_utils.ATTN_IMPLEMENTATIONS,
+        default="auto",
         help="transformers attn_implementation (default auto: eager on NPU, flash_attention_2 on CUDA, sdpa on CPU; "
         "FlashAttention without CUDA falls back to the device default)",
     )
     parser.add_argument(
-        "--cross-attention-implementation", default=None,
+        "--cross-attention-implementation",
+        default=None,
         help="forwarded to from_pretrained only when given: eager or sdpa for the reference model; e.g. "
         "flash_attention_3 for a checkpoint whose remote code ships an FA3 cross-attention kernel",
     )
-    parser.add_argument("--timeout-seconds", type=float, default=300.0, help="deadline of each query in seconds (default 300)")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level (default INFO)")
+    parser.add_argument(
+        "--timeout-seconds", type=float, default=300.0, help="deadline of each query in seconds (default 300)"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="logging level (default INFO)",
+    )
     return parser
 
 

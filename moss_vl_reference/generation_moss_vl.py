@@ -75,7 +75,9 @@ class MossVLGenerationMixin:
         eos = self.stop_token_ids(eos_token_id)
         pad = pad_token_id if pad_token_id is not None else (sorted(eos)[0] if eos else 0)
         media = (pixel_values, grid_thw, media_nums_per_sample, cross_attention_mask)
-        output = self(input_ids, attention_mask, *media, use_cache=use_cache, vision_chunked_length=vision_chunked_length)
+        output = self(
+            input_ids, attention_mask, *media, use_cache=use_cache, vision_chunked_length=vision_chunked_length
+        )
         cache, logits = output.past_key_values, output.logits[:, -1]
         sequences, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for _ in range(max_new_tokens):
@@ -101,8 +103,13 @@ class MossVLGenerationMixin:
         continue the prompt's positions and inherit its last row's visibility."""
         prompt = sequences[:, :prompt_len]
         state = self.prefill_state(
-            prompt, attention_mask[:, :prompt_len], pixel_values, grid_thw, media_nums_per_sample,
-            cross_attention_mask, None,
+            prompt,
+            attention_mask[:, :prompt_len],
+            pixel_values,
+            grid_thw,
+            media_nums_per_sample,
+            cross_attention_mask,
+            None,
         )
         extra = sequences.shape[1] - prompt_len
         steps = torch.arange(extra, device=sequences.device)
@@ -263,7 +270,9 @@ class MossVLGenerationMixin:
                     break
                 if "frame" in message:
                     session.push_frame(
-                        message["frame"], message["timestamp"], prompt=message.get("prompt"),
+                        message["frame"],
+                        message["timestamp"],
+                        prompt=message.get("prompt"),
                         drop_oldest=message.get("drop_oldest", True),
                     )
                 elif message.get("prompt"):

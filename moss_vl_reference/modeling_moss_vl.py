@@ -105,7 +105,9 @@ def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def xrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, mrope_section) -> tuple[torch.Tensor, torch.Tensor]:
+def xrope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, mrope_section
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Interleaved 3-D MRoPE tables. positions (3, B, N) (t, h, w) -> cos, sin (B, 1, N, head_dim/2).
 
     Frequency pair j takes its angle from axis h when j % 3 == 1 and j < 3*section[1], from axis w
@@ -424,7 +426,12 @@ class MossVLSelfAttentionDecoderLayer(nn.Module):
         self.post_attention_layernorm = MossVLRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, self_mask: Optional[torch.Tensor], cache: Optional[list], **_
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        self_mask: Optional[torch.Tensor],
+        cache: Optional[list],
+        **_,
     ) -> torch.Tensor:
         """Pre-norm self-attention + MLP residual block; arguments as `MossVLSelfAttention.forward`."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, self_mask, cache)
@@ -470,7 +477,9 @@ class MossVLTextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [
-                MossVLCrossAttentionDecoderLayer(config) if i in config.cross_attention_layers else MossVLSelfAttentionDecoderLayer(config)
+                MossVLCrossAttentionDecoderLayer(config)
+                if i in config.cross_attention_layers
+                else MossVLSelfAttentionDecoderLayer(config)
                 for i in range(config.num_hidden_layers)
             ]
         )
@@ -490,7 +499,9 @@ class XRopePositions:
     next_text: torch.Tensor
 
 
-def compute_xrope_positions(input_ids, attention_mask, frame_grids: list[list[tuple[int, int]]], image_token_id: int) -> XRopePositions:
+def compute_xrope_positions(
+    input_ids, attention_mask, frame_grids: list[list[tuple[int, int]]], image_token_id: int
+) -> XRopePositions:
     """Positions as MOSS-VL defines them, one token at a time.
 
     Regular tokens count up from 0 (padding gets 0). Each frame token (`image_token_id`) opens a
@@ -634,7 +645,7 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, vision_chunked_length: Optional[int] = None
     ) -> list[torch.Tensor]:
         """Per medium: (frames * (tokens_per_frame + 1), hidden) with a separator after each frame."""
-        merge = self.config.vision_config.spatial_merge_size ** 2
+        merge = self.config.vision_config.spatial_merge_size**2
         merged = self.encode_frames(pixel_values, grid_thw, vision_chunked_length)
         separator = self.model.separator_token.to(merged.dtype)
         media, start = [], 0
@@ -671,7 +682,9 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
                 frame += t
             parts = media[index : index + count]
             index += count
-            sequences.append(torch.cat(parts) if parts else pixel_values.new_zeros(0, self.model.separator_token.shape[0]))
+            sequences.append(
+                torch.cat(parts) if parts else pixel_values.new_zeros(0, self.model.separator_token.shape[0])
+            )
             frame_ids.append(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long))
             frame_grids.append(sample_grids)
         length = max(s.shape[0] for s in sequences)
@@ -708,8 +721,14 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
             attention_mask = torch.ones(batch, past + length, dtype=torch.long, device=device)
         if past_key_values is None:
             cache = self.prefill_state(
-                input_ids, attention_mask, pixel_values, grid_thw, media_nums_per_sample, cross_attention_mask,
-                position_ids, vision_chunked_length,
+                input_ids,
+                attention_mask,
+                pixel_values,
+                grid_thw,
+                media_nums_per_sample,
+                cross_attention_mask,
+                position_ids,
+                vision_chunked_length,
             )
             positions, visible = cache.pop("positions"), cache.pop("visible")
             cache = MossVLCache(**cache)
@@ -724,7 +743,9 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
         dtype = hidden.dtype
         past_len = attention_mask.shape[1] - length
         query_index = past_len + torch.arange(length, device=device)
-        allowed = (torch.arange(attention_mask.shape[1], device=device)[None, :] <= query_index[:, None])[None] & attention_mask.bool()[:, None, :]
+        allowed = (torch.arange(attention_mask.shape[1], device=device)[None, :] <= query_index[:, None])[
+            None
+        ] & attention_mask.bool()[:, None, :]
         dense = takes_dense_mask(text_config._attn_implementation)
         self_mask = additive_bias(allowed.unsqueeze(1), dtype) if dense else attention_mask
         cross_bias, row_sees_vision = None, None
@@ -771,7 +792,9 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
             )
         frame_tokens = (input_ids == image_token_id).sum(dim=1).tolist()
         if frame_tokens != [len(g) for g in frame_grids]:
-            raise ValueError(f"frames per sample {[len(g) for g in frame_grids]} do not match <|image_pad|> tokens {frame_tokens}")
+            raise ValueError(
+                f"frames per sample {[len(g) for g in frame_grids]} do not match <|image_pad|> tokens {frame_tokens}"
+            )
         xrope = compute_xrope_positions(input_ids.cpu(), attention_mask.cpu(), frame_grids, image_token_id)
         positions = (xrope.text if position_ids is None else position_ids).to(input_ids.device)
         if key_frame is not None:
@@ -786,7 +809,9 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
             "key_frame": key_frame,
             "key_valid": key_valid,
             "last_visible": visible[:, -1].clone(),
-            "next_position": xrope.next_text.to(input_ids.device) if position_ids is None else positions[0].max(dim=1).values + 1,
+            "next_position": xrope.next_text.to(input_ids.device)
+            if position_ids is None
+            else positions[0].max(dim=1).values + 1,
             "attention_mask": attention_mask,
             "positions": positions,
             "visible": visible,

@@ -139,7 +139,8 @@ def test_torch_npu_query_raising_warns_and_falls_back(simulated_npu, monkeypatch
 
 @pytest.mark.parametrize("requested", [None, "auto"])
 @pytest.mark.parametrize(
-    "platform_fixture, expected", [("simulated_npu", "eager"), ("simulated_cuda", "flash_attention_2"), ("plain_cpu", "sdpa")]
+    "platform_fixture, expected",
+    [("simulated_npu", "eager"), ("simulated_cuda", "flash_attention_2"), ("plain_cpu", "sdpa")],
 )
 def test_resolve_auto_gives_device_default(request, platform_fixture, expected, requested):
     request.getfixturevalue(platform_fixture)

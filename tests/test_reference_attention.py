@@ -96,7 +96,9 @@ def flash_attention_2_stand_in(calls: list):
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         calls.append(type(module).__name__)
         if attention_mask is not None and attention_mask.dim() != 2:
-            raise AssertionError(f"FlashAttention takes a (batch, keys) padding mask, got {tuple(attention_mask.shape)}")
+            raise AssertionError(
+                f"FlashAttention takes a (batch, keys) padding mask, got {tuple(attention_mask.shape)}"
+            )
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         queries, keys = query.shape[2], key.shape[2]
@@ -129,7 +131,9 @@ def test_flash_attention_2_routes_self_and_vision_attention_and_keeps_cross_atte
     self_layers = text.num_hidden_layers - len(text.cross_attention_layers)
     assert calls.count("MossVLSelfAttention") == self_layers
     assert calls.count("MossVLVisionAttention") >= model.config.vision_config.depth
-    assert "MossVLCrossAttention" not in calls, "per-row frame visibility needs a dense mask: cross-attention stays sdpa"
+    assert "MossVLCrossAttention" not in calls, (
+        "per-row frame visibility needs a dense mask: cross-attention stays sdpa"
+    )
     calls.clear()
     assert torch.equal(model.generate(**inputs, **GREEDY), sdpa_model.generate(**inputs, **GREEDY))
     steps = calls.count("MossVLSelfAttention") / self_layers

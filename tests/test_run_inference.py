@@ -68,7 +68,18 @@ def test_prompt_placeholders_take_media_in_order_and_system_prompt_leads():
     )
     assert query["messages"] == [
         {"role": "system", "content": [text("Be brief.")]},
-        {"role": "user", "content": [text("A "), image("1.png"), text(" then "), video("v.mp4"), text(" then "), image("2.png"), text(".")]},
+        {
+            "role": "user",
+            "content": [
+                text("A "),
+                image("1.png"),
+                text(" then "),
+                video("v.mp4"),
+                text(" then "),
+                image("2.png"),
+                text("."),
+            ],
+        },
     ]
     assert query["generate_kwargs"] == {"max_new_tokens": 5, "do_sample": True}
     assert query["media_kwargs"] == {"video_fps": 2}
@@ -80,7 +91,13 @@ def test_messages_placeholders_image_url_and_trailing_assistant():
             "messages": [
                 {"role": "user", "content": "<|image|>How many?"},
                 {"role": "assistant", "content": "Three."},
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/b.png?s=1"}}, "And <|image|>?"]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "https://x.org/b.png?s=1"}},
+                        "And <|image|>?",
+                    ],
+                },
                 {"role": "assistant", "content": "dataset answer, trimmed"},
             ],
             "images": ["a.png", "c.png"],
@@ -105,7 +122,10 @@ def test_messages_placeholders_image_url_and_trailing_assistant():
         ({"images": ["a.png"]}, "needs 'messages' or 'prompt'"),
         ({"messages": [{"role": "assistant", "content": "only me"}]}, "at least one user message"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "role must be"),
-        ({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}]}, "unsupported content part type 'audio'"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}]},
+            "unsupported content part type 'audio'",
+        ),
         (["not", "an", "object"], "must be a JSON object"),
     ],
 )
@@ -277,7 +297,15 @@ def test_a_query_past_its_deadline_fails_alone_and_its_late_text_goes_nowhere(tm
 
 
 def run_cli(checkpoint: Path, input_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(REPO_ROOT / "inference" / "run_inference.py"), "--checkpoint", str(checkpoint), "--input", str(input_path), *extra]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "inference" / "run_inference.py"),
+        "--checkpoint",
+        str(checkpoint),
+        "--input",
+        str(input_path),
+        *extra,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
 
@@ -285,8 +313,17 @@ def run_cli(checkpoint: Path, input_path: Path, *extra: str) -> subprocess.Compl
 # The example files, written out by hand in the reference model's own query format.
 ORACLE_QUERIES = {
     "image_queries.json": [
-        {"prompt": "What shapes are in this picture, and what colour is each?", "images": [SHAPES], "generate_kwargs": GREEDY_24},
-        {"messages": [{"role": "user", "content": [image(SIGN), text("What does the sign say, and what should a driver do?")]}], "generate_kwargs": GREEDY_24},
+        {
+            "prompt": "What shapes are in this picture, and what colour is each?",
+            "images": [SHAPES],
+            "generate_kwargs": GREEDY_24,
+        },
+        {
+            "messages": [
+                {"role": "user", "content": [image(SIGN), text("What does the sign say, and what should a driver do?")]}
+            ],
+            "generate_kwargs": GREEDY_24,
+        },
         {
             "system_prompt": "You are a careful visual assistant. Answer briefly.",
             "prompt": "Compare <|image|> with <|image|>: which one shows a traffic sign?",
@@ -295,8 +332,24 @@ ORACLE_QUERIES = {
         },
     ],
     "video_queries.json": [
-        {"prompt": "In which direction does the black dot move?", "videos": [CLIP], "media_kwargs": {"video_fps": 2.0, "max_frames": 8}, "generate_kwargs": GREEDY_24},
-        {"messages": [{"role": "user", "content": [video({"video_path": CLIP}), text("What number is written in the corner at the end of the clip?")]}], "generate_kwargs": GREEDY_24},
+        {
+            "prompt": "In which direction does the black dot move?",
+            "videos": [CLIP],
+            "media_kwargs": {"video_fps": 2.0, "max_frames": 8},
+            "generate_kwargs": GREEDY_24,
+        },
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        video({"video_path": CLIP}),
+                        text("What number is written in the corner at the end of the clip?"),
+                    ],
+                }
+            ],
+            "generate_kwargs": GREEDY_24,
+        },
     ],
     "multiturn_batch.jsonl": [
         {
@@ -324,14 +377,18 @@ def reference_model(checkpoint):
     from transformers import AutoModelForCausalLM, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype="float32", attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, trust_remote_code=True, dtype="float32", attn_implementation="sdpa"
+    ).eval()
     return model, processor
 
 
 @pytest.mark.parametrize("example", sorted(ORACLE_QUERIES))
 def test_example_file_matches_reference_batch_generate(checkpoint, reference_model, tmp_path, example):
     output = tmp_path / "results.json"
-    completed = run_cli(checkpoint, EXAMPLES / example, "--output", str(output), "--device", "cpu", "--dtype", "float32")
+    completed = run_cli(
+        checkpoint, EXAMPLES / example, "--output", str(output), "--device", "cpu", "--dtype", "float32"
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "attention implementation: sdpa (--attention-backend auto -> the cpu default)" in completed.stderr
     report = json.loads(output.read_text())
@@ -352,7 +409,11 @@ def test_a_missing_media_file_fails_only_its_own_query(checkpoint, tmp_path):
     queries = [
         {"prompt": "Describe.", "images": [SHAPES], "generate_kwargs": {"max_new_tokens": 4}},
         {"prompt": "Describe.", "images": ["media/not_there.png"], "generate_kwargs": {"max_new_tokens": 4}},
-        {"prompt": "No placeholder for this image.", "images": [SHAPES, SIGN], "messages": [{"role": "user", "content": "<|image|>"}]},
+        {
+            "prompt": "No placeholder for this image.",
+            "images": [SHAPES, SIGN],
+            "messages": [{"role": "user", "content": "<|image|>"}],
+        },
         {"prompt": "Text only.", "generate_kwargs": {"max_new_tokens": 4}},
     ]
     input_path = tmp_path / "mixed.jsonl"
