@@ -168,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend",
         choices=("auto",) + device_utils.ATTN_IMPLEMENTATIONS,
         default="auto",
-        help="transformers attn_implementation (default auto: eager on NPU, flash_attention_2 on CUDA, sdpa on CPU; "
-        "FlashAttention without CUDA falls back to the device default)",
+        help="transformers attn_implementation (default auto: eager on NPU, flash_attention_2 on CUDA when flash_attn "
+        "is installed else sdpa, sdpa on CPU; FlashAttention without CUDA or its package falls back to the default)",
     )
     parser.add_argument(
         "--cross-attention-implementation",

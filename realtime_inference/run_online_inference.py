@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend",
         choices=("auto",) + device_utils.ATTN_IMPLEMENTATIONS,
         default="auto",
-        help="transformers attn_implementation (default auto: eager on NPU, flash_attention_2 on CUDA, sdpa on CPU)",
+        help="transformers attn_implementation (default auto: eager on NPU, flash_attention_2 on CUDA when flash_attn "
+        "is installed else sdpa, sdpa on CPU)",
     )
 
     source = parser.add_argument_group("source (CLI mode)")

@@ -209,12 +209,13 @@ class RecordingLoader:
 @pytest.fixture
 def simulated_device(monkeypatch):
     """Pretend this machine is an NPU/CUDA/CPU host (stand-in: device_utils' probe and accelerator module are
-    replaced; no kernel ever runs)."""
+    replaced, the FlashAttention packages count as installed; no kernel ever runs)."""
 
     def simulate(device_type: str) -> RecordingLoader:
         accelerator = SimpleNamespace(device_count=lambda: 1, get_device_name=lambda index=0: f"{device_type} stand-in")
         monkeypatch.setattr(device_utils, "detect_device_type", lambda: device_type)
         monkeypatch.setattr(device_utils, "_accelerator_module", lambda: None if device_type == "cpu" else accelerator)
+        monkeypatch.setattr(device_utils, "flash_kernel_installed", lambda implementation: True)
         loader = RecordingLoader()
         monkeypatch.setattr(model_loading, "AutoModelForCausalLM", loader)
         monkeypatch.setattr(model_loading, "AutoProcessor", RecordingLoader())
