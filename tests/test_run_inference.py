@@ -166,6 +166,13 @@ def test_media_paths_resolve_against_the_query_folder(tmp_path):
     assert query["messages"][0]["content"][0] == image("sub/a.png"), "the input query must not be modified"
 
 
+def test_the_queries_module_loads_without_torch():
+    """The runners' query checks and the demo's data URLs must not pay for importing torch."""
+    code = "import sys, moss_vl_reference.queries_moss_vl; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    completed = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 0 and completed.stdout.strip() == "[]", completed.stderr
+
+
 def test_data_urls_carry_the_file_bytes_and_its_mime_type(tmp_path):
     (tmp_path / "a.png").write_bytes(b"\x89PNG fake")
     (tmp_path / "clip.mp4").write_bytes(b"\x00\x01mp4")
