@@ -644,7 +644,12 @@ class RealtimeConnection:
         if self.video_task is not None:
             await asyncio.gather(self.video_task, return_exceptions=True)
         if self.session.active:
-            await asyncio.to_thread(self.session.stop if self.stopped_by_client else self.session.abort)
+            # Its own thread, not asyncio.to_thread: this handler may be cancelled here (server shutdown), and a
+            # cancelled to_thread call that has not started yet never runs, which would leave the session generating.
+            release = self.session.stop if self.stopped_by_client else self.session.abort
+            releaser = threading.Thread(target=release, name="release_realtime_session", daemon=True)
+            releaser.start()
+            await asyncio.to_thread(releaser.join)
 
 
 def create_service_app(
