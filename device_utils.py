@@ -10,7 +10,9 @@ Detection never crashes the caller:
 The result is computed once per process (``detect_device_type.cache_clear()`` re-probes).
 
 Attention implementations follow transformers' ``attn_implementation`` names. FlashAttention kernels exist
-only on CUDA; on NPU the default is ``eager`` (what the source PR validated on Ascend 910B), on CPU ``sdpa``.
+only on CUDA, and only where their package is installed (``flash_attn`` for FlashAttention-2,
+``flash_attn_interface`` for FlashAttention-3); the CUDA default is ``flash_attention_2`` with the package,
+else ``sdpa``. On NPU the default is ``eager`` (what the source PR validated on Ascend 910B), on CPU ``sdpa``.
 Nothing here installs a fake ``flash_attn`` module: a missing kernel is resolved to a real implementation
 instead of being papered over.
 """
@@ -18,6 +20,7 @@ instead of being papered over.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import platform
 
@@ -29,6 +32,8 @@ DEVICE_TYPES = ("npu", "cuda", "cpu")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 CUDA_ONLY_ATTN_IMPLEMENTATIONS = frozenset({"flash_attention_2", "flash_attention_3"})
 DEFAULT_ATTN_IMPLEMENTATION = {"npu": "eager", "cuda": "flash_attention_2", "cpu": "sdpa"}
+# The package transformers loads for each FlashAttention implementation.
+FLASH_ATTN_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 VISIBLE_DEVICES_ENV_VAR = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}
 
 
@@ -39,18 +44,26 @@ def _npu_usable() -> bool:
     except ModuleNotFoundError as exc:
         if exc.name == "torch_npu":
             return False
-        logger.warning("torch_npu is installed but failed to import (%s: %s); not using the NPU", type(exc).__name__, exc)
+        logger.warning(
+            "torch_npu is installed but failed to import (%s: %s); not using the NPU", type(exc).__name__, exc
+        )
         return False
     except Exception as exc:  # a broken CANN install raises OSError/RuntimeError/ImportError from inside torch_npu
-        logger.warning("torch_npu is installed but failed to import (%s: %s); not using the NPU", type(exc).__name__, exc)
+        logger.warning(
+            "torch_npu is installed but failed to import (%s: %s); not using the NPU", type(exc).__name__, exc
+        )
         return False
     try:
         available = bool(torch.npu.is_available()) and torch.npu.device_count() > 0
     except Exception as exc:
-        logger.warning("torch_npu imported but querying NPUs failed (%s: %s); not using the NPU", type(exc).__name__, exc)
+        logger.warning(
+            "torch_npu imported but querying NPUs failed (%s: %s); not using the NPU", type(exc).__name__, exc
+        )
         return False
     if not available:
-        logger.warning("torch_npu imported but reports no NPU device (is CANN's set_env.sh sourced?); not using the NPU")
+        logger.warning(
+            "torch_npu imported but reports no NPU device (is CANN's set_env.sh sourced?); not using the NPU"
+        )
     return available
 
 
@@ -111,15 +124,24 @@ def visible_devices_env_var() -> str | None:
     return VISIBLE_DEVICES_ENV_VAR.get(get_device_type())
 
 
+def flash_kernel_installed(implementation: str) -> bool:
+    """True when the package behind a FlashAttention implementation is importable."""
+    return importlib.util.find_spec(FLASH_ATTN_PACKAGES[implementation]) is not None
+
+
 def get_default_attn_impl() -> str:
-    return DEFAULT_ATTN_IMPLEMENTATION[get_device_type()]
+    default = DEFAULT_ATTN_IMPLEMENTATION[get_device_type()]
+    if default in CUDA_ONLY_ATTN_IMPLEMENTATIONS and not flash_kernel_installed(default):
+        return "sdpa"
+    return default
 
 
 def resolve_attn_impl(requested: str | None = None) -> str:
     """Map a user's ``--attention-backend`` to an implementation that exists on this device.
 
-    ``None``/``"auto"`` -> the device default; a FlashAttention name without CUDA -> the device default with a
-    warning; any name outside :data:`ATTN_IMPLEMENTATIONS` -> ``ValueError`` listing the valid ones.
+    ``None``/``"auto"`` -> the device default; a FlashAttention name without CUDA or without its package -> the
+    device default with a warning; any name outside :data:`ATTN_IMPLEMENTATIONS` -> ``ValueError`` listing the
+    valid ones.
     """
     if requested is None or requested == "auto":
         return get_default_attn_impl()
@@ -130,6 +152,13 @@ def resolve_attn_impl(requested: str | None = None) -> str:
     if requested in CUDA_ONLY_ATTN_IMPLEMENTATIONS and not is_cuda():
         fallback = get_default_attn_impl()
         logger.warning("%s needs CUDA, but this is %s; using %r instead", requested, get_device_type(), fallback)
+        return fallback
+    if requested in CUDA_ONLY_ATTN_IMPLEMENTATIONS and not flash_kernel_installed(requested):
+        fallback = get_default_attn_impl()
+        package = FLASH_ATTN_PACKAGES[requested]
+        logger.warning(
+            "%s needs the %s package, which is not installed; using %r instead", requested, package, fallback
+        )
         return fallback
     return requested
 

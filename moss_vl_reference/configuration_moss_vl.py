@@ -12,7 +12,27 @@ DEFAULT_ROPE_SCALING = {"rope_type": "default", "mrope_section": [24, 20, 20], "
 
 class MossVLVisionConfig(PretrainedConfig):
     """Vision tower: Conv3d patch embed, learned 2-D position table, `depth` ViT blocks,
-    one merger fed by the final state and the `deepstack_visual_indexes` block outputs."""
+    one merger fed by the final state and the `deepstack_visual_indexes` block outputs.
+
+    Args:
+        depth: number of ViT blocks.
+        hidden_size: width of the ViT blocks.
+        hidden_act: activation of the ViT MLPs (a transformers ACT2FN name).
+        intermediate_size: inner width of the ViT MLPs.
+        num_heads: attention heads per ViT block (head dim = hidden_size / num_heads, split in two halves for
+            the row and column rotary angles).
+        in_channels: image channels (3, RGB).
+        patch_size: side in pixels of one square patch.
+        spatial_merge_size: the merger folds a spatial_merge_size x spatial_merge_size window of patches into
+            one vision token (so one frame of h x w patches gives h*w / merge^2 tokens, plus a separator).
+        temporal_patch_size: consecutive frames stacked into one patch (1: every frame is its own).
+        out_hidden_size: width of the merged vision tokens, equal to the text decoder's hidden_size.
+        num_position_embeddings: size of the learned position table, a square number (side x side), sampled
+            bilinearly at each frame's patch grid.
+        deepstack_visual_indexes: ViT blocks whose outputs join the final state in the merger (never the last
+            block: stock sglang 0.5.23 cannot serve such a config, see DESIGN.md).
+        initializer_range: std of the normal initialiser.
+    """
 
     model_type = "moss_vl_vision"
     base_config_key = "vision_config"
@@ -52,7 +72,31 @@ class MossVLVisionConfig(PretrainedConfig):
 
 class MossVLTextConfig(PretrainedConfig):
     """Qwen3-shaped decoder; layers listed in `cross_attention_layers` are gated cross-attention
-    blocks instead of self-attention blocks."""
+    blocks instead of self-attention blocks.
+
+    Args:
+        vocab_size: rows of the token embedding and the LM head.
+        hidden_size: model width.
+        intermediate_size: inner width of the SiLU-gated MLPs.
+        num_hidden_layers: decoder layers, self- and cross-attention together.
+        num_attention_heads: query heads per attention layer.
+        num_key_value_heads: key/value heads (GQA: query head h reads key head h // (heads / kv_heads)).
+        head_dim: width of one head (q/k RMSNorm is per head).
+        hidden_act: activation of the MLPs.
+        max_position_embeddings: longest position the model was trained for.
+        rms_norm_eps: epsilon of every RMSNorm.
+        rope_theta: rotary base, used when the rope dict does not carry its own.
+        rope_scaling: the rope dict of an upstream config.json: ``mrope_section`` [t, h, w] counts of rotary
+            pairs per axis (summing to head_dim / 2), ``mrope_interleaved`` True (pairs cycle t, h, w).
+        rope_parameters: the same dict under transformers 5's name (a saved config carries this one).
+        attention_bias: bias on the q/k/v/o projections.
+        cross_attention_layers: indexes of the gated cross-attention layers.
+        initializer_range: std of the normal initialiser.
+        bos_token_id / eos_token_id / pad_token_id: special token ids of the tokenizer.
+        tie_word_embeddings: share the embedding and LM head weights (False for MOSS-VL).
+        cross_attention_implementation (kwarg, optional): attention implementation of the cross-attention
+            layers only (eager or sdpa), overriding the model-wide ``attn_implementation``.
+    """
 
     model_type = "moss_vl_text"
     base_config_key = "text_config"
@@ -108,7 +152,17 @@ class MossVLTextConfig(PretrainedConfig):
 
 
 class MossVLConfig(PretrainedConfig):
-    """Top-level MOSS-VL config: `text_config`, `vision_config` and the special token ids."""
+    """Top-level MOSS-VL config: `text_config`, `vision_config` and the special token ids.
+
+    Args:
+        text_config: a MossVLTextConfig or its dict (default: the 11B model's decoder).
+        vision_config: a MossVLVisionConfig or its dict (default: the 11B model's vision tower).
+        image_token_id: ``<|image_pad|>``, one per frame in the expanded prompt (images and video frames alike);
+            it opens the frame's XRoPE position block.
+        video_token_id: ``<|video_pad|>`` (kept for checkpoint compatibility; frames use image_token_id).
+        vision_start_token_id / vision_end_token_id: ``<|vision_start|>`` / ``<|vision_end|>`` around a medium.
+        tie_word_embeddings: share the embedding and LM head weights (False for MOSS-VL).
+    """
 
     model_type = "moss_vl"
     sub_configs = {"text_config": MossVLTextConfig, "vision_config": MossVLVisionConfig}

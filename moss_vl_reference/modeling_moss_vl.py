@@ -10,18 +10,20 @@ Computes what stock sglang 0.5.23's `models/moss_vl.py` computes (same weights, 
     vision keys with vision position ids (XRoPE), values not rotated; a text row sees the frames
     up to its visible-frame count and contributes nothing (attention and MLP) when it sees none.
 
-Shapes: B batch, L text length, E encoder (vision) length, H heads, D head dim.
-Runner APIs (`offline_batch_generate`, `offline_generate`, `create_realtime_session`,
-`online_generate`) live in the model class, as in the public checkpoints.
+Attention goes through transformers' attention interface (`config._attn_implementation`): `eager` (this
+file), `sdpa`, and `flash_attention_2`/`_3` for the vision tower and the causal self-attention. Per-row frame
+visibility is a dense mask that FlashAttention's padding-mask API cannot express, so cross-attention runs
+`sdpa` when the model-wide choice is a FlashAttention kernel.
+
+Shapes: B batch, L text length, E encoder (vision) length, H heads, D head dim. Masks handed to an attention
+function are additive (0 where attention is allowed, dtype min where it is not), except FlashAttention's
+(B, keys) padding mask (1 = real token). Generation and the runner APIs (`generate`,
+`offline_batch_generate`, `offline_generate`, `create_realtime_session`, `online_generate`) are
+`generation_moss_vl.MossVLGenerationMixin`, which the model class inherits as in the public checkpoints.
 """
 
-import logging
-import queue
-import re
-import threading
-import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,14 +31,12 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import ModelOutput
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_moss_vl import MossVLConfig, MossVLTextConfig, MossVLVisionConfig
+from .generation_moss_vl import MossVLGenerationMixin
 
-logger = logging.getLogger(__name__)
-
-ROUND_START = "<|round_start|>"
-ROUND_END = "<|round_end|>"
-ERROR_PREFIX = "[ERROR] "
+DENSE_MASK_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -55,22 +55,43 @@ class MossVLRMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def attend(q, k, v, bias: Optional[torch.Tensor], implementation: str) -> torch.Tensor:
-    """Softmax attention. q (B,Hq,Lq,D), k/v (B,Hk,Lk,D) with Hq a multiple of Hk (query head h
-    reads key head h // (Hq/Hk)); bias additive, broadcastable to (B,Hq,Lq,Lk). -> (B,Hq,Lq,D)."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    scale = q.shape[-1] ** -0.5
-    if implementation == "eager":
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-        if bias is not None:
-            scores = scores + bias
-        return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
-    if implementation == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    raise ValueError(f"unsupported attention implementation {implementation!r} (use 'eager' or 'sdpa')")
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hk, N, D) -> (B, Hk*groups, N, D): query head h reads key head h // groups."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention in plain torch (transformers' attention-function signature).
+
+    query (B, Hq, Lq, D), key/value (B, Hk, Lk, D) with Hq = Hk * module.num_key_value_groups; attention_mask
+    additive, broadcastable to (B, Hq, Lq, Lk), 0 where attention is allowed. -> output (B, Lq, Hq, D) and
+    the fp32-softmax weights (B, Hq, Lq, Lk)."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def attention_function(implementation: Optional[str]) -> Callable:
+    """The attention function transformers registers under `implementation` (eager: this file's)."""
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation or "sdpa", eager_attention_forward)
+
+
+def takes_dense_mask(implementation: Optional[str]) -> bool:
+    """False for FlashAttention kernels, which take a (B, keys) padding mask and causality as a flag."""
+    return (implementation or "sdpa") in DENSE_MASK_IMPLEMENTATIONS
 
 
 def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,7 +105,9 @@ def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def xrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, mrope_section) -> tuple[torch.Tensor, torch.Tensor]:
+def xrope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, mrope_section
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Interleaved 3-D MRoPE tables. positions (3, B, N) (t, h, w) -> cos, sin (B, 1, N, head_dim/2).
 
     Frequency pair j takes its angle from axis h when j % 3 == 1 and j < 3*section[1], from axis w
@@ -103,11 +126,17 @@ def xrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, mrope_se
 
 
 class MossVLVisionAttention(nn.Module):
+    """Bidirectional attention within each frame (2-D rotary over rows and cols), no mask."""
+
+    is_causal = False
+    num_key_value_groups = 1
+
     def __init__(self, config: MossVLVisionConfig):
         super().__init__()
         self.config = config
         self.num_heads = config.num_heads
         self.head_dim = config.hidden_size // config.num_heads
+        self.scaling = self.head_dim**-0.5
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
 
@@ -119,14 +148,30 @@ class MossVLVisionAttention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + torch.cat((-q[..., self.head_dim // 2 :], q[..., : self.head_dim // 2]), -1) * sin
         k = k * cos + torch.cat((-k[..., self.head_dim // 2 :], k[..., : self.head_dim // 2]), -1) * sin
+        attend = attention_function(self.config._attn_implementation)
         outputs, start = [], 0
-        implementation = self.config._attn_implementation or "sdpa"
         for size, count in _runs(frame_sizes):
             span = slice(start, start + size * count)
             frames = [t[span].view(count, size, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v)]
-            outputs.append(attend(*frames, None, implementation).transpose(1, 2).reshape(count * size, -1))
+            attended, _ = attend(self, *frames, None, scaling=self.scaling)
+            outputs.append(attended.reshape(count * size, -1))
             start += size * count
         return self.proj(torch.cat(outputs))
+
+
+def frame_chunks(grid_thw: list[list[int]], frames_per_chunk: int) -> list[list[tuple[int, int, int]]]:
+    """Split media (t, h, w) into consecutive chunks of at most `frames_per_chunk` frames, each chunk a grid
+    list of its own: [[3, 4, 4], [2, 6, 6]] by 2 -> [[(2, 4, 4)], [(1, 4, 4), (1, 6, 6)], [(1, 6, 6)]]."""
+    chunks, current, size = [], [], 0
+    for t, h, w in grid_thw:
+        while t:
+            take = min(t, frames_per_chunk - size)
+            current.append((take, h, w))
+            size, t = size + take, t - take
+            if size == frames_per_chunk:
+                chunks.append(current)
+                current, size = [], 0
+    return chunks + [current] if current else chunks
 
 
 def _runs(values: list[int]) -> list[tuple[int, int]]:
@@ -281,7 +326,10 @@ class MossVLProjections(nn.Module):
     def __init__(self, config: MossVLTextConfig):
         super().__init__()
         self.config = config
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.scaling = self.head_dim**-0.5
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
@@ -306,32 +354,67 @@ class MossVLProjections(nn.Module):
         return k, self.heads(states, self.v_proj, self.num_kv_heads)
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
-        b, _, n, _ = attended.shape
-        return self.o_proj(attended.transpose(1, 2).reshape(b, n, -1))
+        """attended (B, L, H, D), as attention functions return it -> (B, L, hidden)."""
+        b, n = attended.shape[:2]
+        return self.o_proj(attended.reshape(b, n, -1))
+
 
 class MossVLSelfAttention(MossVLProjections):
+    """Causal GQA self-attention over the text (with the decoding cache)."""
+
+    is_causal = True
+
     @property
     def implementation(self) -> str:
         return self.config._attn_implementation or "sdpa"
 
-    def forward(self, hidden, positions, bias, cache: Optional[list]):
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[list]
+    ) -> torch.Tensor:
+        """hidden (B, L, hidden); positions (3, B, L) MRoPE ids. mask: for eager/sdpa additive (B, 1, L, past + L),
+        0 where a row may attend (causal and not padding); for FlashAttention the (B, past + L) padding mask,
+        1 = real token. cache: [] or [k, v] of earlier steps, each (B, Hk, past, D), extended in place."""
         q = self.query(hidden, positions)
         k, v = self.key_value(hidden, positions)
         if cache is not None:
             if cache:
                 k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
             cache[:] = [k, v]
-        return self.output(attend(q, k, v, bias, self.implementation))
+        attended, _ = attention_function(self.implementation)(self, q, k, v, mask, scaling=self.scaling)
+        return self.output(attended)
 
 
 class MossVLCrossAttention(MossVLProjections):
+    """Text queries over the vision encoder's keys/values, each row limited to its visible frames."""
+
+    is_causal = False
+
     @property
     def implementation(self) -> str:
-        """`cross_attention_implementation` (a from_pretrained kwarg) overrides the model-wide choice."""
-        return getattr(self.config, "cross_attention_implementation", None) or self.config._attn_implementation or "sdpa"
+        """`cross_attention_implementation` (a from_pretrained kwarg) overrides the model-wide choice; a model-wide
+        FlashAttention kernel cannot take the per-row frame mask, so cross-attention then runs sdpa."""
+        explicit = getattr(self.config, "cross_attention_implementation", None)
+        if explicit is not None and not takes_dense_mask(explicit):
+            raise ValueError(
+                f"cross_attention_implementation {explicit!r} cannot express per-row frame visibility; "
+                f"use one of {', '.join(DENSE_MASK_IMPLEMENTATIONS)}"
+            )
+        implementation = explicit or self.config._attn_implementation
+        return implementation if takes_dense_mask(implementation) else "sdpa"
 
-    def forward(self, hidden, positions, key_value, bias):
-        return self.output(attend(self.query(hidden, positions), *key_value, bias, self.implementation))
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        key_value: tuple[torch.Tensor, torch.Tensor],
+        bias: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden (B, L, hidden); positions (3, B, L); key_value (B, Hk, E, D) each, computed once per prompt;
+        bias additive (B, 1, L, E), 0 where the row sees the key's frame (frame < the row's visible count and
+        the key is not padding)."""
+        q = self.query(hidden, positions)
+        attended, _ = attention_function(self.implementation)(self, q, *key_value, bias, scaling=self.scaling)
+        return self.output(attended)
 
 
 class MossVLSelfAttentionDecoderLayer(nn.Module):
@@ -342,8 +425,16 @@ class MossVLSelfAttentionDecoderLayer(nn.Module):
         self.input_layernorm = MossVLRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = MossVLRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, positions, self_bias, cache, **_):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, self_bias, cache)
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        self_mask: Optional[torch.Tensor],
+        cache: Optional[list],
+        **_,
+    ) -> torch.Tensor:
+        """Pre-norm self-attention + MLP residual block; arguments as `MossVLSelfAttention.forward`."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, self_mask, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -359,7 +450,18 @@ class MossVLCrossAttentionDecoderLayer(nn.Module):
         self.post_attention_layernorm = MossVLRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1))
 
-    def forward(self, hidden, positions, cross_kv, cross_bias, row_sees_vision, **_):
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cross_kv: Optional[tuple[torch.Tensor, torch.Tensor]],
+        cross_bias: Optional[torch.Tensor],
+        row_sees_vision: Optional[torch.Tensor],
+        **_,
+    ) -> torch.Tensor:
+        """hidden (B, L, hidden); cross_kv / cross_bias as `MossVLCrossAttention.forward` (None: no vision in the
+        batch, the block is skipped); row_sees_vision (B, L, 1) 1.0 where the row sees at least one frame, 0.0
+        where it sees none (its attention and MLP outputs are dropped)."""
         if cross_kv is None:
             return hidden
         attended = self.cross_attn(self.input_layernorm(hidden), positions, cross_kv, cross_bias)
@@ -375,7 +477,9 @@ class MossVLTextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [
-                MossVLCrossAttentionDecoderLayer(config) if i in config.cross_attention_layers else MossVLSelfAttentionDecoderLayer(config)
+                MossVLCrossAttentionDecoderLayer(config)
+                if i in config.cross_attention_layers
+                else MossVLSelfAttentionDecoderLayer(config)
                 for i in range(config.num_hidden_layers)
             ]
         )
@@ -395,7 +499,9 @@ class XRopePositions:
     next_text: torch.Tensor
 
 
-def compute_xrope_positions(input_ids, attention_mask, frame_grids: list[list[tuple[int, int]]], image_token_id: int) -> XRopePositions:
+def compute_xrope_positions(
+    input_ids, attention_mask, frame_grids: list[list[tuple[int, int]]], image_token_id: int
+) -> XRopePositions:
     """Positions as MOSS-VL defines them, one token at a time.
 
     Regular tokens count up from 0 (padding gets 0). Each frame token (`image_token_id`) opens a
@@ -473,6 +579,7 @@ class MossVLPreTrainedModel(PreTrainedModel):
     config_class = MossVLConfig
     base_model_prefix = "model"
     _supports_sdpa = True
+    _supports_flash_attn = True
     _no_split_modules = ["MossVLVisionBlock", "MossVLSelfAttentionDecoderLayer", "MossVLCrossAttentionDecoderLayer"]
 
     def _init_weights(self, module):
@@ -497,10 +604,15 @@ class MossVLModel(nn.Module):
         self.separator_token = nn.Parameter(torch.zeros(config.vision_config.out_hidden_size))
 
 
-class MossVLForConditionalGeneration(MossVLPreTrainedModel):
-    """forward / generate take the processor's output:
-    input_ids, attention_mask (B, L); pixel_values (N, 3*P*P); grid_thw (M, 3);
-    media_nums_per_sample list[int] (len B); cross_attention_mask (B, 1, L, F) bool, True = masked."""
+class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedModel):
+    """MOSS-VL with its LM head; `forward` is one prefill or decode step, generation is the mixin's.
+
+    forward / generate take the processor's output:
+      input_ids (B, L) and attention_mask (B, L), 1 = real token, 0 = left padding;
+      pixel_values (N, 3*P*P) patches of every frame, media in text order; grid_thw (M, 3) (frames, rows, cols)
+      in patches per medium; media_nums_per_sample list[int] (len B): media per sample;
+      cross_attention_mask (B, 1, L, F) bool, True = the row does NOT see that frame (the processor's polarity;
+      visibility is a frame prefix, see `visible_frame_counts`)."""
 
     def __init__(self, config: MossVLConfig, cross_attention_implementation: Optional[str] = None):
         super().__init__(config)
@@ -512,10 +624,29 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
 
     # ---- encoder
 
-    def encode_media(self, pixel_values, grid_thw) -> list[torch.Tensor]:
+    def encode_frames(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, vision_chunked_length: Optional[int] = None
+    ) -> torch.Tensor:
+        """Merged vision tokens of every frame (N / merge^2, hidden), media in order.
+
+        With `vision_chunked_length` the tower runs on at most that many frames at a time: attention never
+        crosses a frame and every other op is per patch, so the result is the same while the activations held
+        at once (deepstack features included) shrink to one chunk's."""
+        if not vision_chunked_length:
+            return self.model.visual(pixel_values, grid_thw)
+        pieces, start = [], 0
+        for chunk in frame_chunks(grid_thw.tolist(), vision_chunked_length):
+            rows = sum(t * h * w for t, h, w in chunk)
+            pieces.append(self.model.visual(pixel_values[start : start + rows], grid_thw.new_tensor(chunk)))
+            start += rows
+        return torch.cat(pieces)
+
+    def encode_media(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, vision_chunked_length: Optional[int] = None
+    ) -> list[torch.Tensor]:
         """Per medium: (frames * (tokens_per_frame + 1), hidden) with a separator after each frame."""
-        merge = self.config.vision_config.spatial_merge_size ** 2
-        merged = self.model.visual(pixel_values, grid_thw)
+        merge = self.config.vision_config.spatial_merge_size**2
+        merged = self.encode_frames(pixel_values, grid_thw, vision_chunked_length)
         separator = self.model.separator_token.to(merged.dtype)
         media, start = [], 0
         for t, h, w in grid_thw.tolist():
@@ -525,11 +656,18 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
             start += t * per_frame
         return media
 
-    def encoder_batch(self, pixel_values, grid_thw, media_nums_per_sample, batch: int):
+    def encoder_batch(
+        self,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        media_nums_per_sample: Optional[list],
+        batch: int,
+        vision_chunked_length: Optional[int] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[tuple[int, int]]]]:
         """Per-sample encoder sequences padded to E: states (B, E, C), frame index of each key
-        (B, E), key validity (B, E), and per-sample frame grids (eh, ew) in order."""
+        (B, E), key validity (B, E) True = real key, and per-sample frame grids (eh, ew) in order."""
         merge = self.config.vision_config.spatial_merge_size
-        media = self.encode_media(pixel_values, grid_thw)
+        media = self.encode_media(pixel_values, grid_thw, vision_chunked_length)
         counts = list(media_nums_per_sample) if media_nums_per_sample is not None else [len(media)] + [0] * (batch - 1)
         if len(counts) != batch or sum(counts) != len(media):
             raise ValueError(f"media_nums_per_sample {counts} does not match {batch} samples and {len(media)} media")
@@ -544,7 +682,9 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
                 frame += t
             parts = media[index : index + count]
             index += count
-            sequences.append(torch.cat(parts) if parts else pixel_values.new_zeros(0, self.model.separator_token.shape[0]))
+            sequences.append(
+                torch.cat(parts) if parts else pixel_values.new_zeros(0, self.model.separator_token.shape[0])
+            )
             frame_ids.append(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long))
             frame_grids.append(sample_grids)
         length = max(s.shape[0] for s in sequences)
@@ -566,11 +706,13 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
         past_key_values: Optional[MossVLCache] = None,
         position_ids: Optional[torch.Tensor] = None,
         use_cache: bool = False,
+        vision_chunked_length: Optional[int] = None,
         **_,
     ) -> MossVLOutput:
         """Prefill when `past_key_values` is None (full prompt), else decode the new `input_ids`
         (attention_mask then covers past + new tokens). position_ids (3, B, L) override the
-        computed text positions (used to recompute a generated continuation without a cache)."""
+        computed text positions (used to recompute a generated continuation without a cache).
+        vision_chunked_length: frames the vision tower encodes at a time (None: all at once)."""
         text_config = self.config.text_config
         batch, length = input_ids.shape
         device = input_ids.device
@@ -578,7 +720,16 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
             past = 0 if past_key_values is None else past_key_values.attention_mask.shape[1]
             attention_mask = torch.ones(batch, past + length, dtype=torch.long, device=device)
         if past_key_values is None:
-            cache = self.prefill_state(input_ids, attention_mask, pixel_values, grid_thw, media_nums_per_sample, cross_attention_mask, position_ids)
+            cache = self.prefill_state(
+                input_ids,
+                attention_mask,
+                pixel_values,
+                grid_thw,
+                media_nums_per_sample,
+                cross_attention_mask,
+                position_ids,
+                vision_chunked_length,
+            )
             positions, visible = cache.pop("positions"), cache.pop("visible")
             cache = MossVLCache(**cache)
         else:
@@ -592,8 +743,11 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
         dtype = hidden.dtype
         past_len = attention_mask.shape[1] - length
         query_index = past_len + torch.arange(length, device=device)
-        allowed = (torch.arange(attention_mask.shape[1], device=device)[None, :] <= query_index[:, None])[None] & attention_mask.bool()[:, None, :]
-        self_bias = additive_bias(allowed.unsqueeze(1), dtype)
+        allowed = (torch.arange(attention_mask.shape[1], device=device)[None, :] <= query_index[:, None])[
+            None
+        ] & attention_mask.bool()[:, None, :]
+        dense = takes_dense_mask(text_config._attn_implementation)
+        self_mask = additive_bias(allowed.unsqueeze(1), dtype) if dense else attention_mask
         cross_bias, row_sees_vision = None, None
         if cache.key_frame is not None:
             sees = (cache.key_frame[:, None, :] < visible[:, :, None]) & cache.key_valid[:, None, :]
@@ -607,7 +761,7 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
             hidden = layer(
                 hidden,
                 positions=positions,
-                self_bias=self_bias,
+                self_mask=self_mask,
                 cache=layer_cache,
                 cross_kv=cache.cross_kv.get(index),
                 cross_bias=cross_bias,
@@ -616,16 +770,31 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
         logits = self.lm_head(self.model.language_model.norm(hidden))
         return MossVLOutput(logits=logits, past_key_values=cache if use_cache else None)
 
-    def prefill_state(self, input_ids, attention_mask, pixel_values, grid_thw, media_nums_per_sample, cross_attention_mask, position_ids) -> dict:
-        """Everything the prompt fixes: positions, visibility and, once, the cross-attention K/V."""
+    def prefill_state(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor,
+        pixel_values: Optional[torch.Tensor],
+        grid_thw: Optional[torch.Tensor],
+        media_nums_per_sample: Optional[list],
+        cross_attention_mask: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        vision_chunked_length: Optional[int] = None,
+    ) -> dict:
+        """Everything the prompt fixes: positions, visibility and, once, the cross-attention K/V
+        (arguments as `forward`)."""
         batch = input_ids.shape[0]
         image_token_id = self.config.image_token_id
         cross_kv, key_frame, key_valid, frame_grids = {}, None, None, [[] for _ in range(batch)]
         if pixel_values is not None and grid_thw is not None and grid_thw.numel():
-            states, key_frame, key_valid, frame_grids = self.encoder_batch(pixel_values, grid_thw, media_nums_per_sample, batch)
+            states, key_frame, key_valid, frame_grids = self.encoder_batch(
+                pixel_values, grid_thw, media_nums_per_sample, batch, vision_chunked_length
+            )
         frame_tokens = (input_ids == image_token_id).sum(dim=1).tolist()
         if frame_tokens != [len(g) for g in frame_grids]:
-            raise ValueError(f"frames per sample {[len(g) for g in frame_grids]} do not match <|image_pad|> tokens {frame_tokens}")
+            raise ValueError(
+                f"frames per sample {[len(g) for g in frame_grids]} do not match <|image_pad|> tokens {frame_tokens}"
+            )
         xrope = compute_xrope_positions(input_ids.cpu(), attention_mask.cpu(), frame_grids, image_token_id)
         positions = (xrope.text if position_ids is None else position_ids).to(input_ids.device)
         if key_frame is not None:
@@ -640,337 +809,13 @@ class MossVLForConditionalGeneration(MossVLPreTrainedModel):
             "key_frame": key_frame,
             "key_valid": key_valid,
             "last_visible": visible[:, -1].clone(),
-            "next_position": xrope.next_text.to(input_ids.device) if position_ids is None else positions[0].max(dim=1).values + 1,
+            "next_position": xrope.next_text.to(input_ids.device)
+            if position_ids is None
+            else positions[0].max(dim=1).values + 1,
             "attention_mask": attention_mask,
             "positions": positions,
             "visible": visible,
         }
-
-    # ---- generation
-
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.LongTensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        pixel_values=None,
-        grid_thw=None,
-        media_nums_per_sample=None,
-        cross_attention_mask=None,
-        max_new_tokens: int = 16,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        repetition_penalty: float = 1.0,
-        eos_token_id=None,
-        pad_token_id: Optional[int] = None,
-        use_cache: bool = True,
-        on_token=None,
-        stop_event: Optional[threading.Event] = None,
-        **_,
-    ) -> torch.LongTensor:
-        """Greedy or sampled decoding -> (B, L + new) ids; finished rows are padded with
-        `pad_token_id`. Cross-attention K/V are computed once at prefill and reused.
-        `on_token(step_ids)` is called with the (B,) ids of each step (for streaming)."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        eos = self.stop_token_ids(eos_token_id)
-        pad = pad_token_id if pad_token_id is not None else (sorted(eos)[0] if eos else 0)
-        output = self(input_ids, attention_mask, pixel_values, grid_thw, media_nums_per_sample, cross_attention_mask, use_cache=use_cache)
-        cache, logits = output.past_key_values, output.logits[:, -1]
-        sequences, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for _ in range(max_new_tokens):
-            logits = self.adjust_logits(logits, sequences, repetition_penalty)
-            next_ids = self.pick(logits, do_sample, temperature, top_k, top_p).masked_fill(finished, pad)
-            sequences = torch.cat((sequences, next_ids[:, None]), dim=1)
-            attention_mask = torch.cat((attention_mask, (~finished).long()[:, None]), dim=1)
-            if on_token is not None:
-                on_token(next_ids)
-            finished |= torch.isin(next_ids, torch.tensor(sorted(eos), device=next_ids.device))
-            if finished.all() or (stop_event is not None and stop_event.is_set()):
-                break
-            if use_cache:
-                logits = self(next_ids[:, None], attention_mask, past_key_values=cache, use_cache=True).logits[:, -1]
-            else:
-                logits = self.recompute_last_logits(sequences, attention_mask, input_ids.shape[1], pixel_values, grid_thw, media_nums_per_sample, cross_attention_mask)
-        return sequences
-
-    def recompute_last_logits(self, sequences, attention_mask, prompt_len, pixel_values, grid_thw, media_nums_per_sample, cross_attention_mask):
-        """Logits of the last token from a full forward over prompt + continuation (no cache):
-        generated tokens continue the prompt's positions and inherit its last row's visibility."""
-        prompt = sequences[:, :prompt_len]
-        state = self.prefill_state(prompt, attention_mask[:, :prompt_len], pixel_values, grid_thw, media_nums_per_sample, cross_attention_mask, None)
-        extra = sequences.shape[1] - prompt_len
-        steps = torch.arange(extra, device=sequences.device)
-        continuation = (state["next_position"][:, None] + steps).unsqueeze(0).expand(3, -1, -1)
-        positions = torch.cat((state["positions"], continuation), dim=2)
-        mask = cross_attention_mask
-        if mask is not None:
-            mask = torch.cat((mask, mask[:, :, -1:].expand(-1, -1, extra, -1)), dim=2)
-        return self(sequences, attention_mask, pixel_values, grid_thw, media_nums_per_sample, mask, position_ids=positions).logits[:, -1]
-
-    def stop_token_ids(self, eos_token_id) -> set:
-        """Explicit ids, else the config's eos plus generation_config's (as sglang's stop set)."""
-        if eos_token_id is None:
-            generation = getattr(self, "generation_config", None)
-            eos_token_id = [self.config.text_config.eos_token_id, *_as_list(getattr(generation, "eos_token_id", None))]
-        return set(_as_list(eos_token_id)) - {None}
-
-    @staticmethod
-    def adjust_logits(logits, sequences, repetition_penalty: float):
-        if repetition_penalty == 1.0:
-            return logits
-        seen = torch.gather(logits, 1, sequences)
-        seen = torch.where(seen > 0, seen / repetition_penalty, seen * repetition_penalty)
-        return logits.scatter(1, sequences, seen)
-
-    @staticmethod
-    def pick(logits, do_sample: bool, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-        if not do_sample:
-            return logits.argmax(dim=-1)
-        logits = logits.float() / max(temperature, 1e-5)
-        if top_k and top_k > 0:
-            kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if top_p < 1.0:
-            ordered, order = logits.sort(dim=-1, descending=True)
-            drop = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1) > top_p
-            logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-        return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
-
-    # ---- runner APIs
-
-    def processor_inputs(self, processor, query: dict) -> tuple[dict, dict]:
-        """A query ({"messages": [...]} or {"prompt", "images", "videos", "system_prompt"}, with
-        optional "media_kwargs"/"generate_kwargs") -> (processor output on the model's device,
-        generate kwargs)."""
-        messages = query_messages(query)
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        images, videos = processor.extract_media(messages)
-        media_kwargs = query.get("media_kwargs") or {}
-        inputs = processor(text=text, images=images or None, videos=videos or None, media_kwargs=media_kwargs)
-        return self.to_device(inputs), dict(query.get("generate_kwargs") or {})
-
-    def to_device(self, inputs) -> dict:
-        return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in dict(inputs).items()}
-
-    def offline_batch_generate(self, processor, queries: list, vision_chunked_length: int = 64, **generate_kwargs) -> dict:
-        """Answer each query independently -> {"results": [{"text": ...}, ...]}; a failing query
-        yields {"text": "", "error": message}."""
-        results = []
-        for query in queries:
-            try:
-                inputs, kwargs = self.processor_inputs(processor, query)
-                sequences = self.generate(**inputs, **{**generate_kwargs, **kwargs})
-                text = processor.decode(sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-                results.append({"text": text})
-            except (ValueError, FileNotFoundError, RuntimeError) as error:
-                logger.warning("query failed: %s", error)
-                results.append({"text": "", "error": str(error)})
-        return {"results": results}
-
-    def offline_generate(self, processor, input_queue, output_queue, vision_chunked_length: int = 64, **generate_kwargs) -> None:
-        """Serve queries from `input_queue` until {"stop_offline_generate": True}. For each query
-        put <|round_start|>, text pieces as they decode, then <|round_end|>; a failure puts
-        "[ERROR] <message>" before <|round_end|>."""
-        while True:
-            query = input_queue.get()
-            if isinstance(query, dict) and query.get("stop_offline_generate"):
-                return
-            output_queue.put(ROUND_START)
-            try:
-                inputs, kwargs = self.processor_inputs(processor, query)
-                self.stream(processor, inputs, output_queue, **{**generate_kwargs, **kwargs})
-            except Exception as error:  # reported to the caller through the protocol
-                logger.warning("offline query failed: %s", error)
-                output_queue.put(f"{ERROR_PREFIX}{type(error).__name__}: {error}")
-            output_queue.put(ROUND_END)
-
-    def stream(self, processor, inputs: dict, output_queue, stop_event=None, **generate_kwargs) -> str:
-        """generate() for one sample, putting newly decoded text on `output_queue` as it appears."""
-        decoded, emitted = [], [""]
-
-        def on_token(step_ids):
-            decoded.append(int(step_ids[0]))
-            text = processor.decode(decoded, skip_special_tokens=True)
-            if len(text) > len(emitted[0]) and not text.endswith("\ufffd"):
-                output_queue.put(text[len(emitted[0]) :])
-                emitted[0] = text
-
-        self.generate(**inputs, **generate_kwargs, on_token=on_token, stop_event=stop_event)
-        # a trailing incomplete byte sequence was held back above; the answer ends here, so flush it
-        final = processor.decode(decoded, skip_special_tokens=True)
-        if len(final) > len(emitted[0]):
-            output_queue.put(final[len(emitted[0]) :])
-        return final
-
-    def create_realtime_session(self, processor, initial_prompt: str = "", system_prompt: str = "", frame_queue_size: int = 256, max_tokens_per_turn: int = 256, **generate_kwargs):
-        """A realtime session over a growing stream of timestamped frames (see MossVLRealtimeSession)."""
-        return MossVLRealtimeSession(self, processor, initial_prompt, system_prompt, frame_queue_size, max_tokens_per_turn, generate_kwargs)
-
-    def online_generate(self, processor, input_queue, output_queue, frame_queue_size: int = 256, max_tokens_per_turn: int = 256, **generate_kwargs) -> None:
-        """Queue-driven realtime loop. First message: {initial_prompt, system_prompt, ...}; then
-        {"frame": PIL image, "timestamp": s[, "prompt"]}, {"prompt": text} or
-        {"stop_online_generate": True}. Answers are put on `output_queue` as text pieces."""
-        first = input_queue.get()
-        session = self.create_realtime_session(
-            processor,
-            initial_prompt=first.get("initial_prompt", ""),
-            system_prompt=first.get("system_prompt", ""),
-            frame_queue_size=first.get("frame_queue_size", frame_queue_size),
-            max_tokens_per_turn=first.get("max_tokens_per_turn", max_tokens_per_turn),
-            **generate_kwargs,
-        )
-        session.start()
-        forwarder = threading.Thread(target=session.forward_output, args=(output_queue,), daemon=True)
-        forwarder.start()
-        try:
-            while True:
-                message = input_queue.get()
-                if message.get("stop_online_generate"):
-                    break
-                if "frame" in message:
-                    session.push_frame(message["frame"], message["timestamp"], prompt=message.get("prompt"), drop_oldest=message.get("drop_oldest", True))
-                elif message.get("prompt"):
-                    session.prompt(message["prompt"])
-        finally:
-            session.stop()
-            forwarder.join(timeout=30)
-
-
-def _as_list(value) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple, set)) else [value]
-
-
-def query_messages(query: dict) -> list:
-    """Chat messages of a runner query; the prompt form becomes one user turn with its images and
-    videos (placed where `<|image|>`/`<|video|>` appear in the prompt, else before the text)."""
-    if "messages" in query or "conversations" in query:
-        return query.get("messages") or query["conversations"]
-    images, videos = list(query.get("images") or []), list(query.get("videos") or [])
-    prompt = query.get("prompt", "")
-    content, rest = [], prompt
-    if "<|image|>" not in prompt and "<|video|>" not in prompt:
-        content += [{"type": "image", "image": i} for i in images] + [{"type": "video", "video": v} for v in videos]
-        images, videos = [], []
-    for piece in re.split(r"(<\|image\|>|<\|video\|>)", rest):
-        if piece == "<|image|>":
-            if not images:
-                raise ValueError("prompt has more <|image|> placeholders than images")
-            content.append({"type": "image", "image": images.pop(0)})
-        elif piece == "<|video|>":
-            if not videos:
-                raise ValueError("prompt has more <|video|> placeholders than videos")
-            content.append({"type": "video", "video": videos.pop(0)})
-        elif piece:
-            content.append({"type": "text", "text": piece})
-    if images or videos:
-        raise ValueError(f"{len(images)} image(s) and {len(videos)} video(s) have no placeholder in the prompt")
-    messages = [{"role": "system", "content": query["system_prompt"]}] if query.get("system_prompt") else []
-    return messages + [{"role": "user", "content": content}]
-
-
-class MossVLRealtimeSession:
-    """Realtime streaming over live frames.
-
-    Frames (with timestamps) accumulate in a bounded window; each user prompt (and the initial
-    prompt, once the first frame arrives) starts a turn that answers over the frames received so
-    far, presented as one video with their real timestamps. Output text pieces are polled with
-    `poll_output(timeout)`; `active` turns False after `stop()` once the last turn has finished."""
-
-    def __init__(self, model, processor, initial_prompt, system_prompt, frame_queue_size, max_tokens_per_turn, generate_kwargs):
-        self.model, self.processor = model, processor
-        self.system_prompt = system_prompt
-        self.pending_prompts = [initial_prompt] if initial_prompt else []
-        self.frame_queue_size = frame_queue_size
-        self.generate_kwargs = {**generate_kwargs, "max_new_tokens": max_tokens_per_turn}
-        self.frames, self.timestamps, self.history = [], [], []
-        self.outputs: queue.Queue = queue.Queue()
-        self.events: queue.Queue = queue.Queue()
-        self.stop_event = threading.Event()
-        self.worker: Optional[threading.Thread] = None
-        self.lock = threading.Lock()
-
-    @property
-    def active(self) -> bool:
-        return self.worker is not None and self.worker.is_alive()
-
-    def start(self):
-        self.worker = threading.Thread(target=self.run, daemon=True)
-        self.worker.start()
-        return self
-
-    def push_frame(self, frame, timestamp: float, prompt: Optional[str] = None, drop_oldest: bool = True) -> dict:
-        """Add a frame; returns {"dropped_oldest": bool, "pending_frames": int}."""
-        with self.lock:
-            dropped = False
-            if len(self.frames) >= self.frame_queue_size:
-                if not drop_oldest:
-                    raise ValueError(f"frame window full ({self.frame_queue_size} frames)")
-                self.frames.pop(0)
-                self.timestamps.pop(0)
-                dropped = True
-            self.frames.append(frame)
-            self.timestamps.append(float(timestamp))
-            pending = len(self.frames)
-        if prompt:
-            self.prompt(prompt)
-        elif self.pending_prompts:
-            self.events.put("turn")
-        return {"dropped_oldest": dropped, "pending_frames": pending}
-
-    def prompt(self, text: str):
-        if not text:
-            raise ValueError("empty prompt")
-        with self.lock:
-            self.pending_prompts.append(text)
-        self.events.put("turn")
-
-    def poll_output(self, timeout: float = 0.1) -> Optional[str]:
-        try:
-            return self.outputs.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def forward_output(self, output_queue):
-        while self.active or not self.outputs.empty():
-            chunk = self.poll_output(0.1)
-            if chunk is not None:
-                output_queue.put(chunk)
-
-    def stop(self):
-        self.events.put("stop")
-        if self.worker is not None:
-            self.worker.join(timeout=60)
-
-    def run(self):
-        while True:
-            event = self.events.get()
-            if event == "stop":
-                return
-            with self.lock:
-                if not self.pending_prompts or not self.frames:
-                    continue
-                prompt = self.pending_prompts.pop(0)
-                video = {"frames": list(self.frames), "timestamps": list(self.timestamps)}
-            try:
-                self.answer(prompt, video)
-            except Exception as error:  # surfaced to the client as an output line
-                logger.warning("realtime turn failed: %s", error)
-                self.outputs.put(f"{ERROR_PREFIX}{type(error).__name__}: {error}")
-
-    def answer(self, prompt: str, video: dict):
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        messages.append({"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": prompt}]})
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = self.model.to_device(self.processor(text=text, videos=[video], media_kwargs={"min_frames": 1, "max_frames": len(video["frames"])}))
-        started = time.monotonic()
-        answer = self.model.stream(self.processor, inputs, self.outputs, stop_event=self.stop_event, **self.generate_kwargs)
-        logger.info("realtime turn: %d chars in %.2fs", len(answer), time.monotonic() - started)
-        self.history.append((prompt, answer))
 
 
 __all__ = ["MossVLForConditionalGeneration", "MossVLPreTrainedModel", "compute_xrope_positions"]

@@ -97,7 +97,9 @@ def _decode_video_file(path: str) -> tuple[list[Image.Image], list[float]]:
             stream = container.streams.video[0]
             for frame in container.decode(stream):
                 frames.append(frame.to_image().convert("RGB"))
-                times.append(float(frame.time) if frame.time is not None else len(times) / float(stream.average_rate or 1))
+                times.append(
+                    float(frame.time) if frame.time is not None else len(times) / float(stream.average_rate or 1)
+                )
     except (av.error.FFmpegError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot decode video {path}: {error}") from error
     return frames, times
@@ -193,7 +195,9 @@ class MossVLImageProcessor(BaseImageProcessor):
         std = torch.tensor(self.image_std).view(1, 3, 1, 1)
         stacked = torch.stack(
             [
-                torch.from_numpy(np.asarray(f.resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32)).permute(2, 0, 1)
+                torch.from_numpy(
+                    np.asarray(f.resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32)
+                ).permute(2, 0, 1)
                 for f in frames
             ]
         )
@@ -262,7 +266,9 @@ class MossVLProcessor(ProcessorMixin):
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         super().__init__(image_processor, tokenizer, chat_template=chat_template or CHAT_TEMPLATE)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **kwargs) -> str:
+    def apply_chat_template(
+        self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **kwargs
+    ) -> str:
         """Prompt text with one `<|image|>` / `<|video|>` placeholder per media item."""
         if tokenize:
             raise ValueError("MossVLProcessor.apply_chat_template renders text only; call the processor on it")
@@ -316,7 +322,11 @@ class MossVLProcessor(ProcessorMixin):
         if text is None:
             raise ValueError("MossVLProcessor needs text with <|image|>/<|video|> placeholders")
         texts = [text] if isinstance(text, str) else list(text)
-        overrides = {**(kwargs.get("images_kwargs") or {}), **(kwargs.get("videos_kwargs") or {}), **(kwargs.get("media_kwargs") or {})}
+        overrides = {
+            **(kwargs.get("images_kwargs") or {}),
+            **(kwargs.get("videos_kwargs") or {}),
+            **(kwargs.get("media_kwargs") or {}),
+        }
         media_processor = self.image_processor.with_overrides(overrides)
         image_iter = iter(images if isinstance(images, (list, tuple)) else ([] if images is None else [images]))
         video_iter = iter(videos if isinstance(videos, (list, tuple)) else ([] if videos is None else [videos]))
@@ -332,7 +342,9 @@ class MossVLProcessor(ProcessorMixin):
             raise ValueError(
                 f"{leftover_images} image(s) and {leftover_videos} video(s) have no <|image|>/<|video|> placeholder"
             )
-        encoded = self.tokenizer(expanded, padding="longest", padding_side="left", return_tensors="pt", add_special_tokens=False)
+        encoded = self.tokenizer(
+            expanded, padding="longest", padding_side="left", return_tensors="pt", add_special_tokens=False
+        )
         data = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
         if media:
             data["pixel_values"] = torch.cat([patches for patches, _ in media])
@@ -362,4 +374,11 @@ class MossVLProcessor(ProcessorMixin):
 
     @property
     def model_input_names(self):
-        return ["input_ids", "attention_mask", "pixel_values", "grid_thw", "media_nums_per_sample", "cross_attention_mask"]
+        return [
+            "input_ids",
+            "attention_mask",
+            "pixel_values",
+            "grid_thw",
+            "media_nums_per_sample",
+            "cross_attention_mask",
+        ]

@@ -5,7 +5,7 @@
 Prints the checkpoint directory as the last line of stdout. The directory holds config.json
 (with auto_map), model.safetensors (float32, seeded: same seed -> byte-identical weights), a
 byte-level BPE tokenizer trained here on a small built-in corpus with the MOSS-VL special tokens,
-the processor configs and the three remote-code files. A directory built from the same preset,
+the processor configs and the remote-code files. A directory built from the same preset,
 seed and source files is reused.
 """
 
@@ -31,7 +31,13 @@ logger = logging.getLogger(__name__)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
-REMOTE_CODE_FILES = ("configuration_moss_vl.py", "processing_moss_vl.py", "modeling_moss_vl.py")
+REMOTE_CODE_FILES = (
+    "configuration_moss_vl.py",
+    "processing_moss_vl.py",
+    "queries_moss_vl.py",
+    "generation_moss_vl.py",
+    "modeling_moss_vl.py",
+)
 STAMP = "build_stamp.json"
 
 SPECIAL_TOKENS = (

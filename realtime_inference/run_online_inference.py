@@ -16,16 +16,20 @@ at a time (a second connection is closed with code 1013). Client -> server messa
 a frame's image, which is the binary message right after its header:
 
     start {prompt, system_prompt, frame_queue_size, max_new_tokens, do_sample, temperature, top_k, top_p,
-           repetition_penalty}                                   -> ready
-    ping                                                         -> pong
-    prompt {text}                                                -> prompt_ack
-    frame {timestamp[, prompt]} + binary JPEG/PNG                -> frame_ack {timestamp, dropped_oldest, pending_frames}
-    video {path[, sample_fps, playback_speed, max_frames]}       -> video_started ... video_end {frames_sent, frames_dropped}
-    stop_video                                                   -> video_end, stop_video_ack
-    stop                                                         -> stopping ... session_end (then the socket closes)
+           repetition_penalty}                        -> ready
+    ping                                              -> pong
+    prompt {text}                                     -> prompt_ack
+    frame {timestamp[, prompt]} + binary JPEG/PNG     -> frame_ack {timestamp, dropped_oldest, pending_frames}
+    video {path[, sample_fps, playback_speed, max_frames]}
+                                                      -> video_started ... video_end {frames_sent, frames_dropped}
+          (a server-side file, only under --media-root; refused when the service has none)
+    stop_video                                        -> video_end, stop_video_ack
+    stop                                              -> stopping ... session_end (then the socket closes)
 Model text arrives as ``output {text}`` whenever it is produced. Every output is sent before ``session_end``
 or a fatal ``error``. A bad message (unknown type, frame without bytes, undecodable image, frame over
 ``--max-frame-bytes``, empty prompt, ...) is answered with ``error {message}`` and the session goes on.
+A client that disconnects without ``stop`` aborts its session: the answer being generated stops after its
+current token and prompts not yet answered are dropped.
 """
 
 from __future__ import annotations
@@ -41,21 +45,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+# Run as a script (`python realtime_inference/run_online_inference.py`), this folder is sys.path[0]; the shared
+# modules live at the repository root.
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
 
 from fastapi import FastAPI, WebSocket  # noqa: E402
 from PIL import Image, UnidentifiedImageError  # noqa: E402
 
 import device_utils  # noqa: E402
+from moss_vl_reference.queries_moss_vl import ERROR_PREFIX  # noqa: E402
 from realtime_inference import video_sources  # noqa: E402
 from realtime_inference.video_sources import FrameEvent, PromptEvent  # noqa: E402
 
 logger = logging.getLogger("run_online_inference")
 
 DEFAULT_PROMPT = "Describe what you see."
-ERROR_PREFIX = "[ERROR] "
 ACCEPTED_IMAGE_FORMATS = ("JPEG", "PNG")
 SESSION_ENDED = object()  # next_session_output's answer once the session has stopped and is fully drained
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
@@ -113,12 +119,15 @@ def sampling_kwargs(values: dict) -> dict:
     return {key: values[key] for key in SAMPLING_KEYS if values.get(key) is not None}
 
 
-def load_model(args: argparse.Namespace) -> tuple[Any, Any, dict]:
-    from inference.run_inference import load_model as load_reference_model  # torch/transformers: only when needed
+def load_realtime_model(args: argparse.Namespace) -> tuple[Any, Any, dict]:
+    """The runners' shared loader, plus a check that the checkpoint has the realtime API."""
+    from inference.model_loading import load_model  # torch/transformers: only when a model is needed
 
-    model, processor, metadata = load_reference_model(args.checkpoint, args.device_map, args.dtype, args.attention_backend)
+    model, processor, metadata = load_model(args.checkpoint, args.device_map, args.dtype, args.attention_backend)
     if not callable(getattr(model, "create_realtime_session", None)):
-        raise RuntimeError(f"{args.checkpoint} has no realtime API (create_realtime_session); use a MOSS-VL realtime checkpoint")
+        raise RuntimeError(
+            f"{args.checkpoint} has no realtime API (create_realtime_session); use a MOSS-VL realtime checkpoint"
+        )
     return model, processor, metadata
 
 
@@ -144,57 +153,106 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_argument_group("model")
     model.add_argument("--checkpoint", type=Path, help="local MOSS-VL checkpoint directory (not needed with --dry-run)")
     model.add_argument(
-        "--device-map", default="auto",
+        "--device-map",
+        default="auto",
         help="auto (NPU, else CUDA, else CPU) or one device: cpu, npu, npu:1, cuda:0, ... (default auto)",
     )
     model.add_argument(
-        "--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
         help="default: bfloat16 on NPU/CUDA, float32 on CPU",
     )
     model.add_argument(
-        "--attention-backend", choices=("auto",) + device_utils.ATTN_IMPLEMENTATIONS, default="auto",
-        help="transformers attn_implementation (default auto: eager on NPU, flash_attention_2 on CUDA, sdpa on CPU)",
+        "--attention-backend",
+        choices=("auto",) + device_utils.ATTN_IMPLEMENTATIONS,
+        default="auto",
+        help="transformers attn_implementation (default auto: eager on NPU, flash_attention_2 on CUDA when flash_attn "
+        "is installed else sdpa, sdpa on CPU)",
     )
 
     source = parser.add_argument_group("source (CLI mode)")
     source.add_argument(
-        "--source", choices=("synthetic", "video", "dataset", "camera", "screen"), default=None,
+        "--source",
+        choices=("synthetic", "video", "dataset", "camera", "screen"),
+        default=None,
         help="default: dataset if --dataset is given, video if --video is given, else synthetic",
     )
     source.add_argument("--video", type=Path, help="video file for --source video")
-    source.add_argument("--dataset", type=Path, help="JSONL dataset for --source dataset (format: realtime_inference/video_sources.py)")
-    source.add_argument("--dataset-index", type=int, default=0, help="which dataset line to stream (default 0)")
-    source.add_argument("--camera-index", type=int, default=0, help="camera /dev/videoN for --source camera (default 0)")
-    source.add_argument("--synthetic-duration", type=float, default=10.0, help="seconds of synthetic frames (default 10)")
-    source.add_argument("--sample-fps", type=float, default=1.0, help="frames sampled per second of source time (default 1)")
     source.add_argument(
-        "--playback-speed", type=float, default=1.0,
-        help="source seconds per wall-clock second; frames go out at sample-fps x playback-speed; 0 = as fast as possible (default 1)",
+        "--dataset", type=Path, help="JSONL dataset for --source dataset (format: realtime_inference/video_sources.py)"
     )
-    source.add_argument("--max-frames", type=int, default=256, help="stop after this many frames; 0 = no limit (default 256)")
+    source.add_argument("--dataset-index", type=int, default=0, help="which dataset line to stream (default 0)")
+    source.add_argument(
+        "--camera-index", type=int, default=0, help="camera /dev/videoN for --source camera (default 0)"
+    )
+    source.add_argument(
+        "--synthetic-duration", type=float, default=10.0, help="seconds of synthetic frames (default 10)"
+    )
+    source.add_argument(
+        "--sample-fps", type=float, default=1.0, help="frames sampled per second of source time (default 1)"
+    )
+    source.add_argument(
+        "--playback-speed",
+        type=float,
+        default=1.0,
+        help="source seconds per wall-clock second; frames go out at sample-fps x playback-speed; "
+        "0 = as fast as possible (default 1)",
+    )
+    source.add_argument(
+        "--max-frames", type=int, default=256, help="stop after this many frames; 0 = no limit (default 256)"
+    )
 
     prompts = parser.add_argument_group("prompts and generation")
-    prompts.add_argument("--prompt", default=None, help=f"question answered once the first frame arrives (default {DEFAULT_PROMPT!r}; none for datasets)")
     prompts.add_argument(
-        "--prompt-at", type=parse_timed_prompt, action="append", default=[], metavar="SECONDS=TEXT",
+        "--prompt",
+        default=None,
+        help=f"question answered once the first frame arrives (default {DEFAULT_PROMPT!r}; none for datasets)",
+    )
+    prompts.add_argument(
+        "--prompt-at",
+        type=parse_timed_prompt,
+        action="append",
+        default=[],
+        metavar="SECONDS=TEXT",
         help="ask TEXT at SECONDS of source time (repeatable)",
     )
-    prompts.add_argument("--system-prompt", default=None, help="system prompt (default: the dataset entry's, else none)")
-    prompts.add_argument("--frame-queue-size", type=int, default=256, help="frames kept in the session window (default 256)")
+    prompts.add_argument(
+        "--system-prompt", default=None, help="system prompt (default: the dataset entry's, else none)"
+    )
+    prompts.add_argument(
+        "--frame-queue-size", type=int, default=256, help="frames kept in the session window (default 256)"
+    )
     prompts.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default 256)")
     prompts.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     prompts.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     prompts.add_argument("--top-k", type=int, default=20, help="sampling top-k (default 20)")
     prompts.add_argument("--top-p", type=float, default=0.8, help="sampling top-p (default 0.8)")
     prompts.add_argument("--repetition-penalty", type=float, default=1.0, help="repetition penalty (default 1.0)")
-    prompts.add_argument("--dry-run", action="store_true", help="list the frames and prompts the source produces, load no model")
+    prompts.add_argument(
+        "--dry-run", action="store_true", help="list the frames and prompts the source produces, load no model"
+    )
 
     service = parser.add_argument_group("service")
     service.add_argument("--serve", action="store_true", help="run the WebSocket service instead of streaming a source")
     service.add_argument("--host", default="127.0.0.1", help="service address (default 127.0.0.1)")
     service.add_argument("--port", type=int, default=8000, help="service port (default 8000)")
-    service.add_argument("--max-frame-bytes", type=int, default=20 * 1024 * 1024, help="largest accepted frame image (default 20 MiB)")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level (default INFO)")
+    service.add_argument(
+        "--max-frame-bytes", type=int, default=20 * 1024 * 1024, help="largest accepted frame image (default 20 MiB)"
+    )
+    service.add_argument(
+        "--media-root",
+        type=Path,
+        default=None,
+        help="folder whose video files clients may stream with a 'video' message (paths relative to it or inside "
+        "it); default: none, 'video' messages are refused",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="logging level (default INFO)",
+    )
     return parser
 
 
@@ -221,6 +279,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--checkpoint is required (except with --dry-run)")
     if args.serve and args.dry_run:
         parser.error("--serve and --dry-run exclude each other")
+    if args.media_root is not None and not args.media_root.is_dir():
+        parser.error(f"--media-root {args.media_root} is not a folder")
     return args
 
 
@@ -230,7 +290,10 @@ def open_source(args: argparse.Namespace) -> tuple[Iterable, dict]:
     if args.source == "dataset":
         entry = video_sources.load_dataset_entry(args.dataset, args.dataset_index)
         events = video_sources.dataset_events(entry, args.sample_fps, args.max_frames)
-        return video_sources.merge_by_time(events, timed_prompts), {"system_prompt": entry.get("system_prompt"), "live": False}
+        return video_sources.merge_by_time(events, timed_prompts), {
+            "system_prompt": entry.get("system_prompt"),
+            "live": False,
+        }
     if args.source == "video":
         frames = video_sources.video_file_frames(args.video, args.sample_fps, args.max_frames)
     elif args.source == "synthetic":
@@ -239,7 +302,10 @@ def open_source(args: argparse.Namespace) -> tuple[Iterable, dict]:
         frames = video_sources.camera_frames(args.camera_index, args.sample_fps, args.max_frames)
     else:
         frames = video_sources.screen_frames(args.sample_fps, args.max_frames)
-    return video_sources.merge_by_time(frames, timed_prompts), {"system_prompt": None, "live": args.source in ("camera", "screen")}
+    return video_sources.merge_by_time(frames, timed_prompts), {
+        "system_prompt": None,
+        "live": args.source in ("camera", "screen"),
+    }
 
 
 def dry_run(events: Iterable, playback_speed: float) -> None:
@@ -276,7 +342,7 @@ def stream_source(args: argparse.Namespace) -> int:
     if args.dry_run:
         dry_run(events, playback_speed)
         return 0
-    model, processor, metadata = load_model(args)
+    model, processor, metadata = load_realtime_model(args)
     initial_prompt = args.prompt if args.prompt is not None else ("" if args.source == "dataset" else DEFAULT_PROMPT)
     system_prompt = args.system_prompt if args.system_prompt is not None else (settings["system_prompt"] or "")
     session = model.create_realtime_session(
@@ -304,7 +370,12 @@ def stream_source(args: argparse.Namespace) -> int:
     rate = stats["frames_sent"] / max(stats["elapsed_seconds"], 1e-9)
     logger.info(
         "fed %d frames and %d prompts in %.2fs (%.1f frames/s); %d frames left the %d-frame window",
-        stats["frames_sent"], stats["prompts_sent"], stats["elapsed_seconds"], rate, stats["frames_dropped"], args.frame_queue_size,
+        stats["frames_sent"],
+        stats["prompts_sent"],
+        stats["elapsed_seconds"],
+        rate,
+        stats["frames_dropped"],
+        args.frame_queue_size,
     )
     return 0
 
@@ -328,9 +399,30 @@ def decode_frame(data: bytes, max_bytes: int) -> Image.Image:
         raise ClientError(f"cannot decode frame image: {error}") from error
 
 
+def media_path(requested: str, media_root: Optional[Path]) -> Path:
+    """The server-side file a ``video`` message names, which must lie under ``media_root`` once symlinks and
+    ``..`` are resolved; without a media root no path is served."""
+    if media_root is None:
+        raise ClientError(
+            "server-side video is disabled: start the service with --media-root DIR to stream files under DIR"
+        )
+    if not requested:
+        raise ClientError("'path' must name a video file under the media root")
+    root = media_root.resolve()
+    path = (root / requested).resolve()  # an absolute `requested` replaces root here and is checked all the same
+    if not path.is_relative_to(root):
+        raise ClientError(f"video path {requested!r} is outside the media root")
+    return path
+
+
 def _number(payload: dict, key: str, default: Any, kind: type, minimum: float) -> Any:
     value = payload.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)) or value < minimum:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (kind is int and value != int(value))
+        or value < minimum
+    ):
         raise ClientError(f"{key!r} must be a number >= {minimum}, got {value!r}")
     return kind(value)
 
@@ -356,6 +448,7 @@ class RealtimeConnection:
         self.last_timestamp: Optional[float] = None
         self.video_task: Optional[asyncio.Task] = None
         self.video_stop = threading.Event()
+        self.stopped_by_client = False
 
     async def send(self, message: dict) -> None:
         async with self.send_lock:
@@ -381,7 +474,9 @@ class RealtimeConnection:
             return None
         if self.frame_header is not None:
             self.frame_header = None
-            await self.send({"type": "error", "message": "frame header was not followed by binary image bytes; frame dropped"})
+            await self.send(
+                {"type": "error", "message": "frame header was not followed by binary image bytes; frame dropped"}
+            )
         try:
             payload = json.loads(message.get("text") or "")
         except json.JSONDecodeError as error:
@@ -463,7 +558,8 @@ class RealtimeConnection:
     async def on_video(self, payload: dict) -> None:
         if self.video_task is not None:
             raise ClientError("a video is already playing; send stop_video first")
-        path = _text(payload, "path")
+        requested = _text(payload, "path")
+        path = media_path(requested, self.defaults.media_root)
         sample_fps = _number(payload, "sample_fps", self.defaults.sample_fps, float, 1e-6)
         playback_speed = _number(payload, "playback_speed", self.defaults.playback_speed, float, 0.0)
         max_frames = _number(payload, "max_frames", self.defaults.max_frames, int, 0)
@@ -474,7 +570,7 @@ class RealtimeConnection:
         # Video frames continue the stream's clock after the last frame already in the session.
         offset = 0.0 if self.last_timestamp is None else self.last_timestamp + 1.0 / sample_fps
         self.video_stop.clear()
-        await self.send({"type": "video_started", "path": path})
+        await self.send({"type": "video_started", "path": requested})
         self.video_task = asyncio.create_task(self.play_video(frames, playback_speed, offset))
 
     async def play_video(self, frames: Iterable, playback_speed: float, offset: float) -> None:
@@ -488,7 +584,9 @@ class RealtimeConnection:
             self.video_task = None
         if stats["last_timestamp"] is not None:
             self.last_timestamp = stats["last_timestamp"]
-        await self.send({"type": "video_end", "frames_sent": stats["frames_sent"], "frames_dropped": stats["frames_dropped"]})
+        await self.send(
+            {"type": "video_end", "frames_sent": stats["frames_sent"], "frames_dropped": stats["frames_dropped"]}
+        )
 
     async def on_stop_video(self, payload: dict) -> None:
         await self.finish_video()
@@ -501,6 +599,7 @@ class RealtimeConnection:
             await task
 
     async def on_stop(self, payload: dict) -> str:
+        self.stopped_by_client = True
         await self.send({"type": "stopping"})
         await self.finish_video()
         await asyncio.to_thread(self.session.stop)  # the worker answers prompts already asked, then ends
@@ -528,7 +627,8 @@ class RealtimeConnection:
                 await self.send({"type": "output", "text": chunk})
 
     async def shutdown(self) -> None:
-        """Release the session when the client leaves (or after stop): no thread keeps generating for nobody."""
+        """Release the session when the client leaves (or after stop): no thread keeps generating for nobody.
+        A client gone without ``stop`` aborts the answer in progress instead of waiting for it."""
         if self.pump is not None and not self.pump.done():
             self.pump.cancel()
         if self.pump is not None:
@@ -544,10 +644,17 @@ class RealtimeConnection:
         if self.video_task is not None:
             await asyncio.gather(self.video_task, return_exceptions=True)
         if self.session.active:
-            await asyncio.to_thread(self.session.stop)
+            # Its own thread, not asyncio.to_thread: this handler may be cancelled here (server shutdown), and a
+            # cancelled to_thread call that has not started yet never runs, which would leave the session generating.
+            release = self.session.stop if self.stopped_by_client else self.session.abort
+            releaser = threading.Thread(target=release, name="release_realtime_session", daemon=True)
+            releaser.start()
+            await asyncio.to_thread(releaser.join)
 
 
-def create_service_app(model: Any, processor: Any, defaults: argparse.Namespace, metadata: Optional[dict] = None) -> FastAPI:
+def create_service_app(
+    model: Any, processor: Any, defaults: argparse.Namespace, metadata: Optional[dict] = None
+) -> FastAPI:
     """The FastAPI app: GET /health and the one-session-at-a-time WebSocket at /v1/realtime."""
     app = FastAPI(title="MOSS-VL realtime")
     app.state.busy = False
@@ -578,7 +685,7 @@ def serve(args: argparse.Namespace) -> int:
 
     if not any(importlib.util.find_spec(name) for name in ("websockets", "wsproto")):
         raise SystemExit("--serve needs a WebSocket library for uvicorn: pip install websockets")
-    model, processor, metadata = load_model(args)
+    model, processor, metadata = load_realtime_model(args)
     app = create_service_app(model, processor, args, metadata)
     logger.info("serving ws://%s:%d/v1/realtime and http://%s:%d/health", args.host, args.port, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
@@ -587,7 +694,9 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     if args.serve:
         return serve(args)
     try:

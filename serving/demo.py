@@ -6,7 +6,6 @@ Talks to the server only through the official ``openai`` client, exactly as a us
 from __future__ import annotations
 
 import argparse
-import base64
 import logging
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
+from moss_vl_reference.queries_moss_vl import file_data_url
 from serving.launch import REPO_ROOT, SglangServer
 
 DEFAULT_IMAGE = REPO_ROOT / "assets" / "demo.png"
@@ -24,15 +24,13 @@ DEFAULT_QUESTION = "Describe this picture in one sentence."
 def build_tiny_checkpoint() -> Path:
     """Build (or reuse) the embedded tiny MOSS-VL checkpoint; its builder prints the directory last."""
     out = subprocess.run(
-        [sys.executable, "-m", "moss_vl_reference.tiny_checkpoint"], cwd=REPO_ROOT, check=True,
-        capture_output=True, text=True,
+        [sys.executable, "-m", "moss_vl_reference.tiny_checkpoint"],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     return Path(out.strip().splitlines()[-1])
-
-
-def image_data_url(path: Path) -> str:
-    mime = "image/png" if path.suffix.lower() == ".png" else "image/jpeg"
-    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
 
 
 def ask(base_url: str, image: Path, question: str, max_tokens: int) -> dict:
@@ -44,11 +42,19 @@ def ask(base_url: str, image: Path, question: str, max_tokens: int) -> dict:
     pieces, usage = [], None
     stream = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": image_data_url(image)}},
-            {"type": "text", "text": question},
-        ]}],
-        max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": file_data_url(image)}},
+                    {"type": "text", "text": question},
+                ],
+            }
+        ],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     for chunk in stream:
         if chunk.usage is not None:
@@ -67,12 +73,18 @@ def ask(base_url: str, image: Path, question: str, max_tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", type=Path, help="MOSS-VL checkpoint dir (default: build/reuse the embedded tiny one)")
+    parser.add_argument(
+        "--model", type=Path, help="MOSS-VL checkpoint dir (default: build/reuse the embedded tiny one)"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "npu", "cuda"], help="sglang --device (default cpu)")
-    parser.add_argument("--image", type=Path, default=DEFAULT_IMAGE, help="image to ask about (default assets/demo.png)")
+    parser.add_argument(
+        "--image", type=Path, default=DEFAULT_IMAGE, help="image to ask about (default assets/demo.png)"
+    )
     parser.add_argument("--question", default=DEFAULT_QUESTION, help="the question sent with the image")
     parser.add_argument("--max-tokens", type=int, default=24, help="completion length limit (default 24)")
-    parser.add_argument("--server-arg", action="append", default=[], help="extra sglang launch_server flag (repeatable)")
+    parser.add_argument(
+        "--server-arg", action="append", default=[], help="extra sglang launch_server flag (repeatable)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -87,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         print("           (the embedded tiny model has random weights: the words are noise by design; the parity")
         print("            tests show the served tokens equal the reference transformers model's, token for token)")
     if usage is not None:
-        print(f"usage    : prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens} "
-              f"total_tokens={usage.total_tokens}")
+        print(
+            f"usage    : prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens} "
+            f"total_tokens={usage.total_tokens}"
+        )
     print(f"TTFT     : {result['ttft_s'] * 1000:.0f} ms   (whole request {result['total_s'] * 1000:.0f} ms)")
     return 0
 

@@ -8,11 +8,11 @@ completion ids must equal it token for token.
 
 from __future__ import annotations
 
-import base64
-import mimetypes
 from pathlib import Path
 
 import torch
+
+from moss_vl_reference.queries_moss_vl import file_data_url
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 MAX_TOKENS = 10
@@ -58,11 +58,6 @@ CASES = {
 }
 
 
-def data_url(path: str | Path) -> str:
-    mime = mimetypes.guess_type(str(path))[0] or "application/octet-stream"
-    return f"data:{mime};base64,{base64.b64encode(Path(path).read_bytes()).decode()}"
-
-
 def to_openai(messages: list[dict]) -> list[dict]:
     """Reference-form messages -> OpenAI chat messages with media inlined as data URLs."""
     converted = []
@@ -76,9 +71,9 @@ def to_openai(messages: list[dict]) -> list[dict]:
 
 def _openai_part(part: dict) -> dict:
     if part["type"] == "image":
-        return {"type": "image_url", "image_url": {"url": data_url(part["image"])}}
+        return {"type": "image_url", "image_url": {"url": file_data_url(part["image"])}}
     if part["type"] == "video":
-        return {"type": "video_url", "video_url": {"url": data_url(part["video"])}}
+        return {"type": "video_url", "video_url": {"url": file_data_url(part["video"])}}
     return part
 
 

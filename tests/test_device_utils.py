@@ -44,7 +44,9 @@ def simulated_npu(monkeypatch):
 
 @pytest.fixture
 def simulated_cuda(monkeypatch, no_torch_npu):
+    """Stand-in for a 4-GPU CUDA machine with the FlashAttention-2/3 packages installed."""
     synchronized = []
+    monkeypatch.setattr(device_utils, "flash_kernel_installed", lambda implementation: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: f"H200 (stand-in {index})")
@@ -139,7 +141,8 @@ def test_torch_npu_query_raising_warns_and_falls_back(simulated_npu, monkeypatch
 
 @pytest.mark.parametrize("requested", [None, "auto"])
 @pytest.mark.parametrize(
-    "platform_fixture, expected", [("simulated_npu", "eager"), ("simulated_cuda", "flash_attention_2"), ("plain_cpu", "sdpa")]
+    "platform_fixture, expected",
+    [("simulated_npu", "eager"), ("simulated_cuda", "flash_attention_2"), ("plain_cpu", "sdpa")],
 )
 def test_resolve_auto_gives_device_default(request, platform_fixture, expected, requested):
     request.getfixturevalue(platform_fixture)
@@ -159,6 +162,25 @@ def test_flash_attention_without_cuda_falls_back_with_one_warning(request, platf
 @pytest.mark.parametrize("flash", ["flash_attention_2", "flash_attention_3"])
 def test_flash_attention_kept_on_cuda(simulated_cuda, flash):
     assert device_utils.resolve_attn_impl(flash) == flash
+
+
+@pytest.mark.parametrize("flash", ["flash_attention_2", "flash_attention_3"])
+def test_cuda_without_the_flash_package_uses_sdpa(simulated_cuda, monkeypatch, caplog, flash):
+    installed = {"flash_attention_2": False, "flash_attention_3": False}
+    monkeypatch.setattr(device_utils, "flash_kernel_installed", installed.__getitem__)
+    assert device_utils.resolve_attn_impl("auto") == "sdpa"
+    with caplog.at_level(logging.WARNING, logger="device_utils"):
+        assert device_utils.resolve_attn_impl(flash) == "sdpa"
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert flash in warning and device_utils.FLASH_ATTN_PACKAGES[flash] in warning and "'sdpa'" in warning
+
+
+def test_flash_packages_are_looked_up_by_name(monkeypatch):
+    looked_up = []
+    monkeypatch.setattr(device_utils.importlib.util, "find_spec", lambda name: looked_up.append(name))
+    assert not device_utils.flash_kernel_installed("flash_attention_2")
+    assert not device_utils.flash_kernel_installed("flash_attention_3")
+    assert looked_up == ["flash_attn", "flash_attn_interface"]
 
 
 @pytest.mark.parametrize("explicit", ["eager", "sdpa"])

@@ -25,7 +25,9 @@ def processor():
 
 @pytest.fixture(scope="module")
 def model():
-    return AutoModelForCausalLM.from_pretrained(build_or_reuse("tiny"), trust_remote_code=True, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        build_or_reuse("tiny"), trust_remote_code=True, dtype=torch.float32
+    ).eval()
 
 
 def image_query(text: str) -> dict:
@@ -41,17 +43,36 @@ def direct_answer(model, processor, messages, images=(), videos=()) -> str:
 
 
 def test_offline_batch_generate_answers_each_query_like_generate(model, processor):
-    queries = [image_query("What is red?"), {"prompt": "Describe <|image|> briefly.", "images": [str(ASSETS / "gradient_96x64.png")]}, {"prompt": "<|image|>", "images": ["/missing/dog.png"]}]
+    queries = [
+        image_query("What is red?"),
+        {"prompt": "Describe <|image|> briefly.", "images": [str(ASSETS / "gradient_96x64.png")]},
+        {"prompt": "<|image|>", "images": ["/missing/dog.png"]},
+    ]
     results = model.offline_batch_generate(processor, queries, vision_chunked_length=64, **GENERATE)["results"]
-    assert results[0]["text"] == direct_answer(model, processor, queries[0]["messages"], images=[str(ASSETS / "square_64.png")])
-    prompt_form = [{"role": "user", "content": [{"type": "text", "text": "Describe "}, {"type": "image"}, {"type": "text", "text": " briefly."}]}]
-    assert results[1]["text"] == direct_answer(model, processor, prompt_form, images=[str(ASSETS / "gradient_96x64.png")])
+    assert results[0]["text"] == direct_answer(
+        model, processor, queries[0]["messages"], images=[str(ASSETS / "square_64.png")]
+    )
+    prompt_form = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Describe "},
+                {"type": "image"},
+                {"type": "text", "text": " briefly."},
+            ],
+        }
+    ]
+    assert results[1]["text"] == direct_answer(
+        model, processor, prompt_form, images=[str(ASSETS / "gradient_96x64.png")]
+    )
     assert results[2]["text"] == "" and "dog.png" in results[2]["error"]
 
 
 def test_offline_generate_queue_protocol(model, processor):
     inbox, outbox = queue.Queue(), queue.Queue()
-    worker = threading.Thread(target=model.offline_generate, args=(processor, inbox, outbox), kwargs={"vision_chunked_length": 64, **GENERATE})
+    worker = threading.Thread(
+        target=model.offline_generate, args=(processor, inbox, outbox), kwargs={"vision_chunked_length": 64, **GENERATE}
+    )
     worker.start()
     inbox.put(image_query("What is red?"))
     inbox.put({"prompt": "<|video|>", "videos": ["/missing/clip.mp4"]})
@@ -63,7 +84,9 @@ def test_offline_generate_queue_protocol(model, processor):
         items.append(outbox.get())
     first_end = items.index("<|round_end|>")
     assert items[0] == "<|round_start|>"
-    expected = direct_answer(model, processor, image_query("What is red?")["messages"], images=[str(ASSETS / "square_64.png")])
+    expected = direct_answer(
+        model, processor, image_query("What is red?")["messages"], images=[str(ASSETS / "square_64.png")]
+    )
     assert "".join(items[1:first_end]) == expected
     assert items[first_end + 1 :] == ["<|round_start|>", items[first_end + 2], "<|round_end|>"]
     assert items[first_end + 2].startswith("[ERROR] FileNotFoundError") and "clip.mp4" in items[first_end + 2]
@@ -82,7 +105,9 @@ def wait_for(condition, seconds: float = 30.0):
 
 
 def test_realtime_session_answers_over_the_frames_received_so_far(model, processor):
-    session = model.create_realtime_session(processor, initial_prompt="", system_prompt="Watch.", frame_queue_size=2, max_tokens_per_turn=6, eos_token_id=[])
+    session = model.create_realtime_session(
+        processor, initial_prompt="", system_prompt="Watch.", frame_queue_size=2, max_tokens_per_turn=6, eos_token_id=[]
+    )
     session.start()
     try:
         acks = [session.push_frame(frame, timestamp=0.5 + i) for i, frame in enumerate(frames(3))]
@@ -96,7 +121,10 @@ def test_realtime_session_answers_over_the_frames_received_so_far(model, process
         session.stop()
     assert not session.active
     window = {"frames": frames(3)[1:], "timestamps": [1.5, 2.5]}
-    messages = [{"role": "system", "content": "Watch."}, {"role": "user", "content": [{"type": "video", "video": window}, {"type": "text", "text": "What changed?"}]}]
+    messages = [
+        {"role": "system", "content": "Watch."},
+        {"role": "user", "content": [{"type": "video", "video": window}, {"type": "text", "text": "What changed?"}]},
+    ]
     expected = direct_answer(model, processor, messages, videos=[window])
     assert session.history == [("What changed?", expected)]
     assert "".join(chunks) == expected
@@ -106,7 +134,9 @@ def test_realtime_session_answers_over_the_frames_received_so_far(model, process
 
 def test_online_generate_streams_answers_until_stopped(model, processor):
     inbox, outbox = queue.Queue(), queue.Queue()
-    worker = threading.Thread(target=model.online_generate, args=(processor, inbox, outbox), kwargs={"eos_token_id": []})
+    worker = threading.Thread(
+        target=model.online_generate, args=(processor, inbox, outbox), kwargs={"eos_token_id": []}
+    )
     worker.start()
     inbox.put({"initial_prompt": "Describe.", "system_prompt": "", "frame_queue_size": 4, "max_tokens_per_turn": 4})
     for i, frame in enumerate(frames(2)):
@@ -117,3 +147,22 @@ def test_online_generate_streams_answers_until_stopped(model, processor):
     worker.join(timeout=60)
     assert not worker.is_alive()
     assert outbox.qsize() >= 2
+
+
+def test_realtime_abort_stops_the_running_answer_and_drops_waiting_prompts(model, processor):
+    """stop() answers every prompt asked; abort() (a client gone) ends the answer in progress after its current
+    token. A 100000-token answer (eos disabled) would run for minutes; aborted, the session ends at once."""
+    session = model.create_realtime_session(processor, frame_queue_size=2, max_tokens_per_turn=100_000, eos_token_id=[])
+    session.start()
+    session.push_frame(frames(1)[0], timestamp=0.0)
+    session.prompt("Talk forever.")
+    session.prompt("And then this.")
+    first = None
+    while first is None:
+        first = session.poll_output(5.0)
+    started = time.monotonic()
+    session.abort()
+    assert time.monotonic() - started < 10 and not session.active
+    assert session.history and session.history[0][0] == "Talk forever."
+    assert len(processor.tokenizer(session.history[0][1])["input_ids"]) < 1000
+    assert [prompt for prompt, _ in session.history] == ["Talk forever."], "the waiting prompt was dropped"

@@ -1,5 +1,6 @@
-"""inference/run_inference.py: query normalisation, device/attention wiring, and end-to-end runs on the
-example query files with the tiny checkpoint.
+"""inference/run_inference.py: query normalisation (moss_vl_reference/queries_moss_vl.py, with the runner's
+generate defaults), device/attention wiring (inference/model_loading.py), and end-to-end runs on the example
+query files with the tiny checkpoint.
 
 Oracles: hand-written canonical queries; the reference model's own ``offline_batch_generate`` fed with
 queries the test builds itself (absolute paths, placeholders materialised by hand), greedy, float32.
@@ -18,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 
 import device_utils
-from inference import run_inference
+from inference import model_loading, run_inference
+from moss_vl_reference import queries_moss_vl as queries
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO_ROOT / "inference" / "examples"
@@ -42,15 +44,19 @@ def video(value) -> dict:
 # ------------------------------------------------------------------------------ query normalisation
 
 
+def normalize(raw):
+    return queries.normalize_query(raw, run_inference.GENERATE_DEFAULTS)
+
+
 def test_prompt_without_placeholders_puts_media_first():
-    query = run_inference.normalize_query({"prompt": "What is it?", "images": ["a.png"], "videos": ["v.mp4"]})
+    query = normalize({"prompt": "What is it?", "images": ["a.png"], "videos": ["v.mp4"]})
     assert query["messages"] == [{"role": "user", "content": [image("a.png"), video("v.mp4"), text("What is it?")]}]
     assert query["generate_kwargs"] == {"max_new_tokens": 256, "do_sample": False}
     assert query["media_kwargs"] == {}
 
 
 def test_prompt_placeholders_take_media_in_order_and_system_prompt_leads():
-    query = run_inference.normalize_query(
+    query = normalize(
         {
             "prompt": "A <|image|> then <|video|> then <|image|>.",
             "images": ["1.png", "2.png"],
@@ -62,19 +68,36 @@ def test_prompt_placeholders_take_media_in_order_and_system_prompt_leads():
     )
     assert query["messages"] == [
         {"role": "system", "content": [text("Be brief.")]},
-        {"role": "user", "content": [text("A "), image("1.png"), text(" then "), video("v.mp4"), text(" then "), image("2.png"), text(".")]},
+        {
+            "role": "user",
+            "content": [
+                text("A "),
+                image("1.png"),
+                text(" then "),
+                video("v.mp4"),
+                text(" then "),
+                image("2.png"),
+                text("."),
+            ],
+        },
     ]
     assert query["generate_kwargs"] == {"max_new_tokens": 5, "do_sample": True}
     assert query["media_kwargs"] == {"video_fps": 2}
 
 
 def test_messages_placeholders_image_url_and_trailing_assistant():
-    query = run_inference.normalize_query(
+    query = normalize(
         {
             "messages": [
                 {"role": "user", "content": "<|image|>How many?"},
                 {"role": "assistant", "content": "Three."},
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/b.png?s=1"}}, "And <|image|>?"]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "https://x.org/b.png?s=1"}},
+                        "And <|image|>?",
+                    ],
+                },
                 {"role": "assistant", "content": "dataset answer, trimmed"},
             ],
             "images": ["a.png", "c.png"],
@@ -99,13 +122,16 @@ def test_messages_placeholders_image_url_and_trailing_assistant():
         ({"images": ["a.png"]}, "needs 'messages' or 'prompt'"),
         ({"messages": [{"role": "assistant", "content": "only me"}]}, "at least one user message"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "role must be"),
-        ({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}]}, "unsupported content part type 'audio'"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}]},
+            "unsupported content part type 'audio'",
+        ),
         (["not", "an", "object"], "must be a JSON object"),
     ],
 )
 def test_malformed_queries_name_the_problem(raw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("|", r"\|")):
-        run_inference.normalize_query(raw)
+        normalize(raw)
 
 
 def test_media_paths_resolve_against_the_query_folder(tmp_path):
@@ -127,7 +153,7 @@ def test_media_paths_resolve_against_the_query_folder(tmp_path):
         "media_kwargs": {},
         "generate_kwargs": {},
     }
-    resolved = run_inference.resolve_query_media_paths(query, tmp_path)
+    resolved = queries.resolve_query_media_paths(query, tmp_path)
     assert resolved["messages"][0]["content"] == [
         image(str((tmp_path / "sub/a.png").resolve())),
         image("/abs/b.png"),
@@ -138,6 +164,21 @@ def test_media_paths_resolve_against_the_query_folder(tmp_path):
         text("hi"),
     ]
     assert query["messages"][0]["content"][0] == image("sub/a.png"), "the input query must not be modified"
+
+
+def test_the_queries_module_loads_without_torch():
+    """The runners' query checks and the demo's data URLs must not pay for importing torch."""
+    code = "import sys, moss_vl_reference.queries_moss_vl; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    completed = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 0 and completed.stdout.strip() == "[]", completed.stderr
+
+
+def test_data_urls_carry_the_file_bytes_and_its_mime_type(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"\x89PNG fake")
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x01mp4")
+    assert queries.file_data_url(tmp_path / "a.png") == "data:image/png;base64,iVBORyBmYWtl"
+    assert queries.file_data_url(tmp_path / "clip.mp4") == "data:video/mp4;base64,AAFtcDQ="
+    assert queries.data_url(b"hi", "text/plain") == "data:text/plain;base64,aGk="
 
 
 def test_load_queries_reads_json_lists_and_jsonl(tmp_path):
@@ -175,15 +216,16 @@ class RecordingLoader:
 @pytest.fixture
 def simulated_device(monkeypatch):
     """Pretend this machine is an NPU/CUDA/CPU host (stand-in: device_utils' probe and accelerator module are
-    replaced; no kernel ever runs)."""
+    replaced, the FlashAttention packages count as installed; no kernel ever runs)."""
 
     def simulate(device_type: str) -> RecordingLoader:
         accelerator = SimpleNamespace(device_count=lambda: 1, get_device_name=lambda index=0: f"{device_type} stand-in")
         monkeypatch.setattr(device_utils, "detect_device_type", lambda: device_type)
         monkeypatch.setattr(device_utils, "_accelerator_module", lambda: None if device_type == "cpu" else accelerator)
+        monkeypatch.setattr(device_utils, "flash_kernel_installed", lambda implementation: True)
         loader = RecordingLoader()
-        monkeypatch.setattr(run_inference, "AutoModelForCausalLM", loader)
-        monkeypatch.setattr(run_inference, "AutoProcessor", RecordingLoader())
+        monkeypatch.setattr(model_loading, "AutoModelForCausalLM", loader)
+        monkeypatch.setattr(model_loading, "AutoProcessor", RecordingLoader())
         return loader
 
     return simulate
@@ -203,10 +245,10 @@ def simulated_device(monkeypatch):
 )
 def test_attention_and_device_reach_from_pretrained(simulated_device, device_type, overrides, attn, target, dtype):
     loader = simulated_device(device_type)
-    _, _, metadata = run_inference.load_model("ckpt", **overrides)
+    _, _, metadata = model_loading.load_model("ckpt", **overrides)
     (kwargs,) = loader.calls
     assert kwargs["attn_implementation"] == attn
-    assert kwargs["dtype"] == run_inference.DTYPES[dtype]
+    assert kwargs["dtype"] == model_loading.DTYPES[dtype]
     assert kwargs["trust_remote_code"] is True
     assert "cross_attention_implementation" not in kwargs
     assert loader.moved_to == target
@@ -215,7 +257,7 @@ def test_attention_and_device_reach_from_pretrained(simulated_device, device_typ
 
 def test_cross_attention_implementation_forwarded_only_when_given(simulated_device):
     loader = simulated_device("npu")
-    run_inference.load_model("ckpt", cross_attention_implementation="sdpa")
+    model_loading.load_model("ckpt", cross_attention_implementation="sdpa")
     assert loader.calls[0]["attn_implementation"] == "eager"
     assert loader.calls[0]["cross_attention_implementation"] == "sdpa"
 
@@ -223,7 +265,7 @@ def test_cross_attention_implementation_forwarded_only_when_given(simulated_devi
 def test_missing_accelerator_is_an_error_not_a_fallback(simulated_device):
     simulated_device("cpu")
     with pytest.raises(SystemExit, match="device 'npu' requested, but this machine offers cpu"):
-        run_inference.load_model("ckpt", device="npu")
+        model_loading.load_model("ckpt", device="npu")
 
 
 class ScriptedStreamModel:
@@ -237,14 +279,14 @@ class ScriptedStreamModel:
         while not (query := in_queue.get()).get("stop_offline_generate"):
             prompt = query["messages"][-1]["content"][-1]["text"]
             time.sleep(self.delays.get(prompt, 0.0))
-            out_queue.put(run_inference.ROUND_START)
+            out_queue.put(queries.ROUND_START)
             if prompt in self.fails:
-                out_queue.put(f"{run_inference.ERROR_PREFIX}ValueError: cannot answer {prompt}")
+                out_queue.put(f"{queries.ERROR_PREFIX}ValueError: cannot answer {prompt}")
             else:
                 answer = prompt[::-1]
                 out_queue.put(answer[:2])
                 out_queue.put(answer[2:])
-            out_queue.put(run_inference.ROUND_END)
+            out_queue.put(queries.ROUND_END)
 
 
 def test_a_query_past_its_deadline_fails_alone_and_its_late_text_goes_nowhere(tmp_path):
@@ -263,7 +305,15 @@ def test_a_query_past_its_deadline_fails_alone_and_its_late_text_goes_nowhere(tm
 
 
 def run_cli(checkpoint: Path, input_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(REPO_ROOT / "inference" / "run_inference.py"), "--checkpoint", str(checkpoint), "--input", str(input_path), *extra]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "inference" / "run_inference.py"),
+        "--checkpoint",
+        str(checkpoint),
+        "--input",
+        str(input_path),
+        *extra,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
 
@@ -271,8 +321,17 @@ def run_cli(checkpoint: Path, input_path: Path, *extra: str) -> subprocess.Compl
 # The example files, written out by hand in the reference model's own query format.
 ORACLE_QUERIES = {
     "image_queries.json": [
-        {"prompt": "What shapes are in this picture, and what colour is each?", "images": [SHAPES], "generate_kwargs": GREEDY_24},
-        {"messages": [{"role": "user", "content": [image(SIGN), text("What does the sign say, and what should a driver do?")]}], "generate_kwargs": GREEDY_24},
+        {
+            "prompt": "What shapes are in this picture, and what colour is each?",
+            "images": [SHAPES],
+            "generate_kwargs": GREEDY_24,
+        },
+        {
+            "messages": [
+                {"role": "user", "content": [image(SIGN), text("What does the sign say, and what should a driver do?")]}
+            ],
+            "generate_kwargs": GREEDY_24,
+        },
         {
             "system_prompt": "You are a careful visual assistant. Answer briefly.",
             "prompt": "Compare <|image|> with <|image|>: which one shows a traffic sign?",
@@ -281,8 +340,24 @@ ORACLE_QUERIES = {
         },
     ],
     "video_queries.json": [
-        {"prompt": "In which direction does the black dot move?", "videos": [CLIP], "media_kwargs": {"video_fps": 2.0, "max_frames": 8}, "generate_kwargs": GREEDY_24},
-        {"messages": [{"role": "user", "content": [video({"video_path": CLIP}), text("What number is written in the corner at the end of the clip?")]}], "generate_kwargs": GREEDY_24},
+        {
+            "prompt": "In which direction does the black dot move?",
+            "videos": [CLIP],
+            "media_kwargs": {"video_fps": 2.0, "max_frames": 8},
+            "generate_kwargs": GREEDY_24,
+        },
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        video({"video_path": CLIP}),
+                        text("What number is written in the corner at the end of the clip?"),
+                    ],
+                }
+            ],
+            "generate_kwargs": GREEDY_24,
+        },
     ],
     "multiturn_batch.jsonl": [
         {
@@ -310,14 +385,18 @@ def reference_model(checkpoint):
     from transformers import AutoModelForCausalLM, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype="float32", attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, trust_remote_code=True, dtype="float32", attn_implementation="sdpa"
+    ).eval()
     return model, processor
 
 
 @pytest.mark.parametrize("example", sorted(ORACLE_QUERIES))
 def test_example_file_matches_reference_batch_generate(checkpoint, reference_model, tmp_path, example):
     output = tmp_path / "results.json"
-    completed = run_cli(checkpoint, EXAMPLES / example, "--output", str(output), "--device", "cpu", "--dtype", "float32")
+    completed = run_cli(
+        checkpoint, EXAMPLES / example, "--output", str(output), "--device", "cpu", "--dtype", "float32"
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "attention implementation: sdpa (--attention-backend auto -> the cpu default)" in completed.stderr
     report = json.loads(output.read_text())
@@ -338,7 +417,11 @@ def test_a_missing_media_file_fails_only_its_own_query(checkpoint, tmp_path):
     queries = [
         {"prompt": "Describe.", "images": [SHAPES], "generate_kwargs": {"max_new_tokens": 4}},
         {"prompt": "Describe.", "images": ["media/not_there.png"], "generate_kwargs": {"max_new_tokens": 4}},
-        {"prompt": "No placeholder for this image.", "images": [SHAPES, SIGN], "messages": [{"role": "user", "content": "<|image|>"}]},
+        {
+            "prompt": "No placeholder for this image.",
+            "images": [SHAPES, SIGN],
+            "messages": [{"role": "user", "content": "<|image|>"}],
+        },
         {"prompt": "Text only.", "generate_kwargs": {"max_new_tokens": 4}},
     ]
     input_path = tmp_path / "mixed.jsonl"

@@ -53,7 +53,10 @@ def decode_all(path: Path) -> list[tuple[float, np.ndarray]]:
         return [(float(f.time), np.asarray(f.to_image().convert("RGB"))) for f in container.decode(video=0)]
 
 
-@pytest.mark.parametrize(("fps", "max_frames", "times"), [(1.0, 0, [0, 1, 2, 3]), (2.0, 3, [0, 0.5, 1.0]), (4.0, 0, [i / 4 for i in range(16)])])
+@pytest.mark.parametrize(
+    ("fps", "max_frames", "times"),
+    [(1.0, 0, [0, 1, 2, 3]), (2.0, 3, [0, 0.5, 1.0]), (4.0, 0, [i / 4 for i in range(16)])],
+)
 def test_video_file_is_sampled_at_sample_fps(fps, max_frames, times):
     decoded = dict(decode_all(CLIP))
     events = list(video_sources.video_file_frames(CLIP, fps, max_frames))
@@ -84,7 +87,11 @@ def test_prompts_follow_frames_of_the_same_time():
     prompts = [video_sources.PromptEvent(1.0, "at one"), video_sources.PromptEvent(0.5, "between")]
     merged = video_sources.merge_by_time(frames, sorted(prompts, key=lambda p: p.timestamp))
     assert [(type(e).__name__, e.timestamp) for e in merged] == [
-        ("FrameEvent", 0.0), ("PromptEvent", 0.5), ("FrameEvent", 1.0), ("PromptEvent", 1.0), ("FrameEvent", 2.0)
+        ("FrameEvent", 0.0),
+        ("PromptEvent", 0.5),
+        ("FrameEvent", 1.0),
+        ("PromptEvent", 1.0),
+        ("FrameEvent", 2.0),
     ]
 
 
@@ -107,7 +114,11 @@ def test_pacing_releases_events_at_timestamp_over_speed():
 def test_dataset_entries_resolve_media_and_interleave_prompts():
     entry = video_sources.load_dataset_entry(DATASET, 1)
     events = list(video_sources.dataset_events(entry, 1.0))
-    assert [(type(e).__name__, e.timestamp) for e in events] == [("FrameEvent", 0.0), ("FrameEvent", 1.0), ("PromptEvent", 1.0)]
+    assert [(type(e).__name__, e.timestamp) for e in events] == [
+        ("FrameEvent", 0.0),
+        ("FrameEvent", 1.0),
+        ("PromptEvent", 1.0),
+    ]
     assert np.array_equal(np.asarray(events[1].image), np.asarray(Image.open(MEDIA / "stop_sign.png").convert("RGB")))
     with pytest.raises(ValueError, match="out of range"):
         video_sources.load_dataset_entry(DATASET, 5)
@@ -124,7 +135,7 @@ class RecordingSession:
     def __init__(self, frame_queue_size, fail_on_poll=None, fail_turn_on=None):
         self.frames, self.prompts, self.outputs = [], [], queue.Queue()
         self.frame_queue_size, self.fail_on_poll, self.fail_turn_on = frame_queue_size, fail_on_poll, fail_turn_on
-        self.started = self.stopped = False
+        self.started = self.stopped = self.aborted = False
         self.polls = 0
 
     @property
@@ -164,6 +175,9 @@ class RecordingSession:
         self.outputs.put("final queued piece")
         self.stopped = True
 
+    def abort(self):
+        self.aborted = self.stopped = True
+
 
 class RecordingModel:
     def __init__(self, **session_kwargs):
@@ -177,8 +191,20 @@ class RecordingModel:
 
 def service_defaults(**overrides) -> Namespace:
     values = dict(
-        prompt=None, system_prompt=None, frame_queue_size=2, max_new_tokens=16, do_sample=False, temperature=0.7,
-        top_k=20, top_p=0.8, repetition_penalty=1.0, max_frame_bytes=4096, sample_fps=2.0, playback_speed=0.0, max_frames=0,
+        prompt=None,
+        system_prompt=None,
+        frame_queue_size=2,
+        max_new_tokens=16,
+        do_sample=False,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.8,
+        repetition_penalty=1.0,
+        max_frame_bytes=4096,
+        sample_fps=2.0,
+        playback_speed=0.0,
+        max_frames=0,
+        media_root=None,
     )
     return Namespace(**{**values, **overrides})
 
@@ -201,7 +227,9 @@ def of_type(messages, kind):
 def service():
     def make(model=None, **overrides):
         model = model or RecordingModel()
-        app = online.create_service_app(model, processor=object(), defaults=service_defaults(**overrides), metadata={"checkpoint": "stand-in"})
+        app = online.create_service_app(
+            model, processor=object(), defaults=service_defaults(**overrides), metadata={"checkpoint": "stand-in"}
+        )
         return model, TestClient(app)
 
     return make
@@ -210,14 +238,27 @@ def service():
 def test_session_streams_output_and_drains_before_session_end(service):
     model, client = service()
     with client, client.websocket_connect("/v1/realtime") as ws:
-        ws.send_json({"type": "start", "prompt": "hello", "system_prompt": "sys", "max_new_tokens": 7, "do_sample": True, "temperature": 0.5, "frame_queue_size": 2})
+        ws.send_json(
+            {
+                "type": "start",
+                "prompt": "hello",
+                "system_prompt": "sys",
+                "max_new_tokens": 7,
+                "do_sample": True,
+                "temperature": 0.5,
+                "frame_queue_size": 2,
+            }
+        )
         assert ws.receive_json() == {"type": "ready"}
         ws.send_json({"type": "ping"})
         assert receive_until(ws, "pong")[-1] == {"type": "pong"}
         for t, color in ((0.0, (255, 0, 0)), (1.0, (0, 255, 0)), (2.0, (0, 0, 255))):
             ws.send_json({"type": "frame", "timestamp": t})
             ws.send_bytes(png_bytes(color))
-        acks = of_type(receive_until(ws, "frame_ack") + receive_until(ws, "frame_ack") + receive_until(ws, "frame_ack"), "frame_ack")
+        acks = of_type(
+            receive_until(ws, "frame_ack") + receive_until(ws, "frame_ack") + receive_until(ws, "frame_ack"),
+            "frame_ack",
+        )
         assert acks == [
             {"type": "frame_ack", "timestamp": 0.0, "dropped_oldest": False, "pending_frames": 1},
             {"type": "frame_ack", "timestamp": 1.0, "dropped_oldest": False, "pending_frames": 2},
@@ -233,14 +274,30 @@ def test_session_streams_output_and_drains_before_session_end(service):
         assert closed.value.code == 1000
     session = model.sessions[0]
     assert model.created_with == [
-        {"initial_prompt": "hello", "system_prompt": "sys", "frame_queue_size": 2, "max_tokens_per_turn": 7,
-         "do_sample": True, "temperature": 0.5, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.0}
+        {
+            "initial_prompt": "hello",
+            "system_prompt": "sys",
+            "frame_queue_size": 2,
+            "max_tokens_per_turn": 7,
+            "do_sample": True,
+            "temperature": 0.5,
+            "top_k": 20,
+            "top_p": 0.8,
+            "repetition_penalty": 1.0,
+        }
     ]
     assert [t for t, _ in session.frames] == [0.0, 1.0, 2.0, 3.0]
     assert session.frames[1][1][0, 0].tolist() == [0, 255, 0], "the PNG bytes reach the session decoded"
     assert session.prompts == ["with frame", "what now?"]
     outputs = [m["text"] for m in of_type(messages, "output")]
-    assert outputs == ["<with frame|", "4 frames>", "<what now?|", "4 frames>", "first queued piece", "final queued piece"]
+    assert outputs == [
+        "<with frame|",
+        "4 frames>",
+        "<what now?|",
+        "4 frames>",
+        "first queued piece",
+        "final queued piece",
+    ]
     assert messages[-1] == {"type": "session_end"} and of_type(messages, "stopping") == [{"type": "stopping"}]
     assert messages.index({"type": "stopping"}) < messages.index({"type": "output", "text": "final queued piece"})
     assert session.stopped
@@ -258,7 +315,7 @@ BAD_MESSAGES = [
     ({"type": "frame", "timestamp": -1}, None, "'timestamp' must be a number >= 0.0"),
     ({"type": "frame"}, None, "'timestamp' must be a number"),
     ({"type": "frame", "timestamp": 1.0, "prompt": ""}, None, "prompt must be a non-empty string"),
-    ({"type": "video", "path": "/nonexistent/clip.mp4"}, None, "video file not found"),
+    ({"type": "video", "path": "missing_clip.mp4"}, None, "video file not found"),
     ("{not json", None, "message is not JSON"),
     (["a", "list"], None, "JSON object with a string 'type'"),
     ({"type": "start"}, None, "already started"),
@@ -267,7 +324,7 @@ BAD_MESSAGES = [
 
 @pytest.mark.parametrize(("first", "second", "error"), BAD_MESSAGES)
 def test_bad_messages_get_an_error_and_the_session_survives(service, first, second, error):
-    model, client = service()
+    model, client = service(media_root=MEDIA)
     with client, client.websocket_connect("/v1/realtime") as ws:
         ws.send_json({"type": "start"})
         assert ws.receive_json() == {"type": "ready"}
@@ -324,8 +381,10 @@ def test_session_failure_is_reported_after_every_earlier_output(service):
         messages = receive_until(ws, "error")
     tail = [m for m in messages if m["type"] in ("output", "error", "session_end")]
     assert tail == [
-        {"type": "output", "text": "<q|"}, {"type": "output", "text": "0 frames>"},
-        {"type": "output", "text": "first queued piece"}, {"type": "output", "text": "final queued piece"},
+        {"type": "output", "text": "<q|"},
+        {"type": "output", "text": "0 frames>"},
+        {"type": "output", "text": "first queued piece"},
+        {"type": "output", "text": "final queued piece"},
         {"type": "error", "message": "inference failed"},
     ]
 
@@ -347,11 +406,32 @@ def test_second_client_is_refused_with_1013_while_a_session_is_active(service):
         with client.websocket_connect("/v1/realtime") as third:  # free again after the first client left
             third.send_json({"type": "start"})
             assert third.receive_json() == {"type": "ready"}
-    assert model.sessions[0].stopped, "a client that leaves without 'stop' still releases its session"
+    assert model.sessions[0].aborted, "a client that leaves without 'stop' still releases its session"
+
+
+def test_stop_finishes_the_answers_and_a_disconnect_aborts_them(service):
+    model, client = service()
+    with client:
+        for leave_with_stop in (True, False):
+            with client.websocket_connect("/v1/realtime") as ws:
+                ws.send_json({"type": "start"})
+                ws.send_json({"type": "prompt", "text": "still thinking"})
+                receive_until(ws, "prompt_ack")
+                if leave_with_stop:
+                    ws.send_json({"type": "stop"})
+                    receive_until(ws, "session_end")
+            # the server releases the session in a thread of its own once it notices the client has gone
+            deadline = time.monotonic() + 10
+            while not model.sessions[-1].stopped:
+                assert time.monotonic() < deadline, "the session was never released"
+                time.sleep(0.01)
+    graceful, abandoned = model.sessions
+    assert (graceful.stopped, graceful.aborted) == (True, False)
+    assert (abandoned.stopped, abandoned.aborted) == (True, True)
 
 
 def test_server_side_video_is_streamed_into_the_session(service):
-    model, client = service(frame_queue_size=64)
+    model, client = service(frame_queue_size=64, media_root=MEDIA)
     with client, client.websocket_connect("/v1/realtime") as ws:
         ws.send_json({"type": "start"})
         ws.send_json({"type": "frame", "timestamp": 10.0})
@@ -373,10 +453,12 @@ def test_server_side_video_is_streamed_into_the_session(service):
 
 
 def test_stop_video_interrupts_a_paced_video(service):
-    model, client = service(frame_queue_size=64)
+    model, client = service(frame_queue_size=64, media_root=MEDIA)
     with client, client.websocket_connect("/v1/realtime") as ws:
         ws.send_json({"type": "start"})
-        ws.send_json({"type": "video", "path": str(CLIP), "sample_fps": 4.0, "playback_speed": 0.5})  # 16 frames over 8 s
+        ws.send_json(
+            {"type": "video", "path": CLIP.name, "sample_fps": 4.0, "playback_speed": 0.5}
+        )  # 16 frames over 8 s
         receive_until(ws, "video_started")
         ws.send_json({"type": "frame", "timestamp": 1.0})
         assert "stop_video" in of_type(receive_until(ws, "error"), "error")[0]["message"]
@@ -387,6 +469,36 @@ def test_stop_video_interrupts_a_paced_video(service):
     (end,) = of_type(messages, "video_end")
     assert end["frames_sent"] < 16, "stop_video ended the 8-second video early"
     assert len(model.sessions[0].frames) == end["frames_sent"]
+
+
+def test_video_paths_are_refused_without_a_media_root_and_outside_it(service, tmp_path):
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "clip.mp4").symlink_to(CLIP)  # a link inside the root to a file outside it
+    (root / "escape").symlink_to(tmp_path)
+    requests = {
+        None: [(str(CLIP), "start the service with --media-root DIR")],
+        root: [
+            (str(CLIP), "outside the media root"),
+            ("clip.mp4", "outside the media root"),
+            ("../media/../" + CLIP.name, "outside the media root"),
+            ("escape/media/clip.mp4", "outside the media root"),
+            ("/etc/passwd", "outside the media root"),
+            ("", "must name a video file"),
+            ("missing.mp4", "missing.mp4"),
+        ],
+    }
+    for media_root, attempts in requests.items():
+        model, client = service(media_root=media_root)
+        with client, client.websocket_connect("/v1/realtime") as ws:
+            ws.send_json({"type": "start"})
+            for path, message in attempts:
+                ws.send_json({"type": "video", "path": path})
+                (error,) = of_type(receive_until(ws, "error"), "error")
+                assert message in error["message"], (path, error)
+            ws.send_json({"type": "ping"})
+            assert receive_until(ws, "pong")[-1] == {"type": "pong"}, "the session goes on"
+        assert model.sessions[0].frames == []
 
 
 def test_next_session_output_catches_a_piece_put_as_the_session_ends():
@@ -418,7 +530,7 @@ def test_next_session_output_catches_a_piece_put_as_the_session_ends():
 def tiny_model():
     checkpoint = build_or_reuse()
     args = online.parse_args(["--checkpoint", str(checkpoint), "--device-map", "cpu", "--dtype", "float32"])
-    model, processor, metadata = online.load_model(args)
+    model, processor, metadata = online.load_realtime_model(args)
     return checkpoint, model, processor, metadata
 
 
@@ -441,7 +553,9 @@ def streamed_answer(model, processor, frames, timestamps, prompt, max_new_tokens
 
 def test_real_model_session_answers_over_websocket(tiny_model):
     checkpoint, model, processor, metadata = tiny_model
-    app = online.create_service_app(model, processor, service_defaults(max_frame_bytes=1 << 20, frame_queue_size=64), metadata)
+    app = online.create_service_app(
+        model, processor, service_defaults(max_frame_bytes=1 << 20, frame_queue_size=64), metadata
+    )
     colors = [(250, 20, 20), (20, 250, 20), (20, 20, 250)]
     with TestClient(app) as client:
         health = client.get("/health").json()
@@ -465,9 +579,27 @@ def test_real_model_session_answers_over_websocket(tiny_model):
 
 def test_cli_streams_a_dataset_entry_and_prints_the_answer(tiny_model):
     checkpoint, model, processor, _ = tiny_model
-    command = [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoint), "--dataset", str(DATASET), "--dataset-index", "1",
-               "--playback-speed", "0", "--max-new-tokens", "8", "--device-map", "cpu", "--dtype", "float32"]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--checkpoint",
+        str(checkpoint),
+        "--dataset",
+        str(DATASET),
+        "--dataset-index",
+        "1",
+        "--playback-speed",
+        "0",
+        "--max-new-tokens",
+        "8",
+        "--device-map",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
+    completed = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "attention implementation: sdpa" in completed.stderr and "fed 2 frames and 1 prompts" in completed.stderr
     header = "[t=   1.00s] > What changed between the two frames?\n"
@@ -476,13 +608,17 @@ def test_cli_streams_a_dataset_entry_and_prints_the_answer(tiny_model):
     frames = [Image.open(MEDIA / name).convert("RGB") for name in ("shapes.png", "stop_sign.png")]
     entry = json.loads(DATASET.read_text().splitlines()[1])
     assert entry.get("system_prompt") is None
-    assert printed and printed == streamed_answer(model, processor, frames, [0.0, 1.0], "What changed between the two frames?", 8)
+    assert printed and printed == streamed_answer(
+        model, processor, frames, [0.0, 1.0], "What changed between the two frames?", 8
+    )
 
 
 def test_cli_reports_a_missing_camera_clearly():
     if Path("/dev/video0").exists():
         pytest.skip("this machine has a camera")
-    completed = subprocess.run([sys.executable, str(SCRIPT), "--source", "camera", "--dry-run"], capture_output=True, text=True, timeout=120)
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), "--source", "camera", "--dry-run"], capture_output=True, text=True, timeout=120
+    )
     assert completed.returncode == 2 and "no camera at /dev/video0" in completed.stderr
 
 
@@ -495,6 +631,7 @@ def test_cli_reports_a_missing_camera_clearly():
         ([], "--checkpoint is required"),
         (["--prompt-at", "soon=hello", "--dry-run"], "expected SECONDS=TEXT"),
         (["--serve", "--dry-run"], "exclude each other"),
+        (["--dry-run", "--media-root", "/nonexistent/media"], "is not a folder"),
     ],
 )
 def test_cli_rejects_bad_arguments(capsys, argv, message):
@@ -504,7 +641,9 @@ def test_cli_rejects_bad_arguments(capsys, argv, message):
 
 
 def test_cli_parses_timed_prompts():
-    assert online.parse_args(["--prompt-at", "2.5=hi=there", "--dry-run"]).prompt_at == [video_sources.PromptEvent(2.5, "hi=there")]
+    assert online.parse_args(["--prompt-at", "2.5=hi=there", "--dry-run"]).prompt_at == [
+        video_sources.PromptEvent(2.5, "hi=there")
+    ]
 
 
 # ------------------------------------------------------------------- the service over real uvicorn
@@ -527,8 +666,21 @@ def test_serve_on_loopback_with_uvicorn(tmp_path):
     anything; with one, a real client on 127.0.0.1 gets answers and a second client gets close code 1013."""
     checkpoint = build_or_reuse()
     port = free_port()
-    command = [sys.executable, str(SCRIPT), "--serve", "--checkpoint", str(checkpoint), "--port", str(port),
-               "--device-map", "cpu", "--dtype", "float32", "--log-level", "WARNING"]
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--serve",
+        "--checkpoint",
+        str(checkpoint),
+        "--port",
+        str(port),
+        "--device-map",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--log-level",
+        "WARNING",
+    ]
     if not any(importlib.util.find_spec(name) for name in ("websockets", "wsproto")):
         completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert completed.returncode != 0 and "pip install websockets" in completed.stderr

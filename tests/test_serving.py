@@ -8,7 +8,6 @@ the patched Ascend native attention the CPU server runs). Reference ids are comp
 
 from __future__ import annotations
 
-import base64
 import io
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +16,7 @@ import requests
 from openai import OpenAI
 from PIL import Image
 
+from moss_vl_reference.queries_moss_vl import data_url
 from serving.launch import SglangServer
 from serving_support import (
     CASES,
@@ -108,7 +108,7 @@ def test_models_and_health(server, client, checkpoint):
 def oversized_png() -> str:
     buffer = io.BytesIO()
     Image.new("RGB", (2100, 2100), (10, 20, 30)).save(buffer, format="PNG")  # tiny preset: max_input_pixels 2048²
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return data_url(buffer.getvalue(), "image/png")
 
 
 def with_image(url: str) -> list[dict]:
@@ -118,7 +118,7 @@ def with_image(url: str) -> list[dict]:
 BAD_REQUESTS = {
     "invalid_base64": ({"messages": with_image("data:image/png;base64,!!!not-base64***")}, "base64"),
     "data_url_not_an_image": (
-        {"messages": with_image("data:image/png;base64," + base64.b64encode(b"plain text, no pixels").decode())},
+        {"messages": with_image(data_url(b"plain text, no pixels", "image/png"))},
         "decode",
     ),
     "missing_image_path": ({"messages": with_image("file:///nonexistent/dir/cat.png")}, "No such file"),

@@ -1,0 +1,92 @@
+"""Device, dtype and attention choice, and the one model-loading function of both standalone runners.
+
+``inference/run_inference.py`` and ``realtime_inference/run_online_inference.py`` load MOSS-VL through
+:func:`load_model`; device detection itself is ``device_utils``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoProcessor
+
+import device_utils  # looked up as a module attribute at call time so tests can simulate devices
+
+logger = logging.getLogger("model_loading")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def choose_device(requested: str) -> tuple[str, str]:
+    """(device type, torch device string) for ``auto``, ``cpu``, ``npu``, ``cuda`` or ``npu:1``-style names.
+
+    An accelerator this machine lacks is an error, not a silent fallback to CPU."""
+    detected = device_utils.get_device_type()
+    if requested == "auto":
+        logger.info("device auto: using %s (%s)", detected, device_utils.describe())
+        return detected, device_utils.get_device_str(0)
+    device_type, _, index = requested.partition(":")
+    if device_type not in ("cpu", detected) or (index and not index.isdigit()) or (device_type == "cpu" and index):
+        raise SystemExit(
+            f"device {requested!r} requested, but this machine offers {detected} ({device_utils.describe()})"
+        )
+    logger.info("device %s requested", requested)
+    return device_type, "cpu" if device_type == "cpu" else device_utils.get_device_str(int(index or 0))
+
+
+def choose_attention(requested: str, device: str) -> tuple[str, str]:
+    """(attn_implementation, why) for ``--attention-backend`` on ``device``."""
+    detected = device_utils.get_device_type()
+    if device == "cpu" and detected != "cpu":
+        # CPU forced on an accelerator host: device_utils answers for the accelerator, so decide here.
+        cpu_default = device_utils.DEFAULT_ATTN_IMPLEMENTATION["cpu"]
+        if requested == "auto" or requested in device_utils.CUDA_ONLY_ATTN_IMPLEMENTATIONS:
+            return cpu_default, f"--attention-backend {requested} on a forced CPU run -> CPU default {cpu_default}"
+        return requested, f"--attention-backend {requested} given explicitly"
+    implementation = device_utils.resolve_attn_impl(requested)
+    if requested == "auto":
+        why = f"--attention-backend auto -> the {device} default"
+    elif implementation != requested:
+        why = f"--attention-backend {requested} is unavailable on {device} -> the {device} default"
+    else:
+        why = f"--attention-backend {requested} given explicitly"
+    return implementation, why
+
+
+def choose_dtype(requested: str | None, device: str) -> str:
+    """bfloat16 on accelerators and float32 on CPU unless ``--dtype`` says otherwise."""
+    return requested or ("float32" if device == "cpu" else "bfloat16")
+
+
+def load_model(
+    checkpoint: Path | str,
+    device: str = "auto",
+    dtype: str | None = None,
+    attention_backend: str = "auto",
+    cross_attention_implementation: str | None = None,
+) -> tuple[Any, Any, dict]:
+    """(model in eval mode, processor, run metadata) for a local checkpoint with its remote code."""
+    device_type, target = choose_device(device)
+    attn_implementation, why = choose_attention(attention_backend, device_type)
+    dtype = choose_dtype(dtype, device_type)
+    logger.info("attention implementation: %s (%s)", attn_implementation, why)
+    # Loaded on the host and moved with .to(): a device_map would need `accelerate`, which one device does not.
+    model_kwargs = {"trust_remote_code": True, "dtype": DTYPES[dtype], "attn_implementation": attn_implementation}
+    if cross_attention_implementation is not None:
+        model_kwargs["cross_attention_implementation"] = cross_attention_implementation
+    logger.info("loading %s on %s as %s", checkpoint, target, dtype)
+    processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, **model_kwargs).to(target).eval()
+    metadata = {
+        "checkpoint": str(checkpoint),
+        "device": target,
+        "device_description": device_utils.describe(),
+        "dtype": dtype,
+        "attention_implementation": attn_implementation,
+        "attention_implementation_reason": why,
+        "cross_attention_implementation": cross_attention_implementation,
+    }
+    return model, processor, metadata
