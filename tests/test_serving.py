@@ -18,7 +18,7 @@ from PIL import Image
 
 from moss_vl_reference.queries_moss_vl import data_url
 from serving.launch import SglangServer
-from serving_support import (
+from support.serving import (
     CASES,
     GREEDY,
     MAX_TOKENS,

@@ -14,7 +14,7 @@ from openai import OpenAI
 from PIL import Image
 
 from serving.launch import SglangServer
-from serving_support import ASSETS, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
+from support.serving import ASSETS, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -29,7 +29,7 @@ from moss_vl_reference.tiny_checkpoint import build_or_reuse
 from mossvl_ascend import cpu_parallel, rank_report
 from mossvl_ascend.cpu_parallel import without_pynccl
 from serving.launch import SglangServer, cpu_threads_bind, rank_count
-from serving_support import CASES, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
+from support.serving import CASES, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
 
 pytestmark = pytest.mark.timeout(1200)
 

@@ -14,7 +14,7 @@ import torch
 
 from moss_vl_reference.queries_moss_vl import file_data_url
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 MAX_TOKENS = 10
 GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
 # sglang extensions: return ids, never stop early, report radix-cache hits.
