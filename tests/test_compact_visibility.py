@@ -1,7 +1,7 @@
 """The compact frame-visibility path (issue 7) end to end through the real hooks.
 
 Oracles: stock sglang's own packed-mask builder (what the boundaries must describe) and the dense fp32
-reference attention of tests/test_native_attention.py (what the native backend must compute from them).
+reference attention of tests/support/attention.py (what the native backend must compute from them).
 """
 
 import pytest
@@ -10,10 +10,10 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models.moss_vl import MossVLForConditionalGeneration
 
 from mossvl_ascend import compact_visibility, native_attention
-from test_native_attention import (
+from support.attention import (
     SCALE,
     Request,
-    _moss_vl_extend_batch,
+    moss_vl_extend_batch,
     build_batch,
     example_requests,
     hooks_applied,
@@ -50,7 +50,7 @@ def stock_packed_mask(forward_batch):
 
 
 def test_boundaries_describe_exactly_the_stock_mask(hooked):
-    forward_batch = _moss_vl_extend_batch(REQUESTS, GRIDS, MERGE)
+    forward_batch = moss_vl_extend_batch(REQUESTS, GRIDS, MERGE)
     hooked.prepare_forward_batch(forward_batch)
     assert forward_batch.cross_attention_custom_mask is None  # no dense mask is built
     boundaries = forward_batch.cross_attention_row_boundaries
@@ -70,18 +70,18 @@ def test_boundaries_describe_exactly_the_stock_mask(hooked):
 
 
 def test_decode_and_text_only_batches_carry_no_visibility(hooked):
-    forward_batch = _moss_vl_extend_batch(REQUESTS, GRIDS, MERGE)
+    forward_batch = moss_vl_extend_batch(REQUESTS, GRIDS, MERGE)
     forward_batch.forward_mode = ForwardMode.DECODE
     hooked.prepare_forward_batch(forward_batch)
     assert forward_batch.cross_attention_row_boundaries is None
-    text_only = _moss_vl_extend_batch([Request(spans=[], prefix_len=0, extend_len=4)], [None], MERGE)
+    text_only = moss_vl_extend_batch([Request(spans=[], prefix_len=0, extend_len=4)], [None], MERGE)
     hooked.prepare_forward_batch(text_only)
     assert text_only.cross_attention_row_boundaries is None
 
 
 @pytest.mark.parametrize("logit_cap", [0.0, 1.5], ids=["plain", "softcap"])
 def test_native_extend_from_boundaries_equals_the_dense_reference(hooked, logit_cap):
-    forward_batch = _moss_vl_extend_batch(REQUESTS, GRIDS, MERGE)
+    forward_batch = moss_vl_extend_batch(REQUESTS, GRIDS, MERGE)
     hooked.prepare_forward_batch(forward_batch)
     batch = build_batch(REQUESTS)
     output = torch.full_like(batch.query, float("nan"))

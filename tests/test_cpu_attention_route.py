@@ -5,7 +5,7 @@ the device and the two pools), its ``forward_extend`` / ``forward_decode`` wrapp
 through HookRegistry, ``AttentionBackend.forward`` dispatch, ``MHATokenToKVPool`` (the CPU
 server's KV pool), ``ReqToTokenPool``, ``RadixAttention``, ``ForwardBatch``. The checks are the
 same ones tests/test_ascend_backend.py runs on ``AscendAttnBackend``; oracle: the dense fp32
-reference of test_native_attention.
+reference of support.attention.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from mossvl_ascend import cpu_attention, native_attention
-from test_native_attention import (
+from support.attention import (
     ROUTE_HEADS,
     SCALE,
     build_batch,
