@@ -17,13 +17,13 @@ Catalog
   on it). The k/v None guard (cross-attention layers get k = v = None when the encoder K/V is
   already cached or there is no vision input) is already in stock 0.5.23; the hook keeps it.
 - *how*: for a batch with ``forward_batch.encoder_lens`` on a non-MLA model (eager mode), the
-  hook runs :func:`mossvl_ascend.native_attention.encoder_decoder_attention`: KV write through
+  hook runs :func:`mossvl_ascend.attention.sglang_layer.encoder_decoder_attention`: KV write through
   the pool's ``set_kv_buffer`` (encoder slots for cross-attention layers, skipped when k/v are
-  None), then the patched native extend with ``cross_attention_custom_mask=`` (decode runs as a
-  one-token extend without a mask: every decode token sees all frames). Other batches, MLA
-  models and NPU graph replay go to the stock method unchanged (the native math syncs with the
-  host per request, so it cannot be captured; graph decode is off for MOSS-VL, see
-  ``server_args``).
+  None), then the attention core directly (no round trip through the stock native method) with the
+  forward's metadata (frame visibility as per-row boundaries, built once per forward; decode and mixed
+  batches are extends of one-row requests, decode sees all frames). Other batches, MLA models and NPU
+  graph replay go to the stock method unchanged (the core plans on the host, so it cannot be captured;
+  graph decode is off for MOSS-VL, see ``server_args``).
 - *upstream status / when to remove*: not upstream in 0.5.23. Remove once ``forward_extend``
   passes the mask (keyword ``cross_attention_custom_mask``) and encoder-decoder batches cannot
   reach the FIA/FA branches.
@@ -39,7 +39,7 @@ import logging
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from mossvl_ascend.native_attention import encoder_decoder_attention
+from mossvl_ascend.attention.sglang_layer import encoder_decoder_attention
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,6 @@ def _encoder_decoder_forward(
     if not _takes_encoder_decoder_route(backend, forward_batch):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     return encoder_decoder_attention(
-        backend.native_attn,
         backend.token_to_kv_pool,
         backend.req_to_token_pool,
         q,

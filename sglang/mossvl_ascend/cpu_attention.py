@@ -7,16 +7,15 @@ Catalog
 
 - *target*: ``sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.``
   ``forward_extend`` and ``.forward_decode`` (AROUND).
-- *why*: on an NPU, MOSS-VL attention runs in ``AscendTorchNativeAttnBackend`` (pure torch,
-  patched by :mod:`mossvl_ascend.native_attention`). The CPU server (MOSS-VL on ``--device cpu``
+- *why*: on an NPU, MOSS-VL attention runs in the attention core (:mod:`mossvl_ascend.attention`,
+  reached through the Ascend backend hook). The CPU server (MOSS-VL on ``--device cpu``
   resolves to ``--attention-backend torch_native``) would otherwise run the different stock
   ``TorchNativeAttnBackend`` math (its windows are right but it has no cross-attention mask),
   so CPU end-to-end tests would neither apply frame-causal visibility nor exercise the NPU code.
 - *how*: a batch with ``forward_batch.encoder_lens`` is handed to
-  :func:`mossvl_ascend.native_attention.encoder_decoder_attention` with one stateless
-  ``AscendTorchNativeAttnBackend`` instance (``ASCEND_NATIVE_MATH``): the same KV write, mask
-  slicing and per-request math the Ascend backend hook runs. Only the KV pool differs (the CPU
-  pool's ``set_kv_buffer`` versus the NPU pool's). Every other batch, and torch_native on any
+  :func:`mossvl_ascend.attention.sglang_layer.encoder_decoder_attention`: the same KV write, metadata and
+  batched core the Ascend backend hook runs. Only the KV pool (the CPU pool's ``set_kv_buffer`` versus the
+  NPU pool's) and the device primitive differ. Every other batch, and torch_native on any
   device but the CPU (CUDA keeps stock behaviour), goes to the stock method.
 - *upstream status / when to remove*: a test-harness route, not an upstream bug. Keep while
   CPU tests stand in for the NPU; it can go once NPU CI exercises the Ascend backend directly.
@@ -26,7 +25,7 @@ from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from mossvl_ascend.native_attention import ASCEND_NATIVE_MATH, encoder_decoder_attention
+from mossvl_ascend.attention.sglang_layer import encoder_decoder_attention
 
 TORCH_NATIVE_CLASS = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
@@ -42,7 +41,6 @@ def _through_ascend_native(
     if forward_batch.encoder_lens is None or str(backend.device) != "cpu":
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     return encoder_decoder_attention(
-        ASCEND_NATIVE_MATH,
         backend.token_to_kv_pool,
         backend.req_to_token_pool,
         q,
