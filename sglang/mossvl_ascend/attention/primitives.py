@@ -41,12 +41,10 @@ def attention_with_lse(
         return out, torch.full((batch, num_heads, rows), float("-inf"), device=q.device)
     if logit_cap > 0 or q.shape[-1] != v.shape[-1]:
         return plain_attention_with_lse(q, k, v, scale, visible=visible, logit_cap=logit_cap)
-    if q.device.type == "npu":
-        out, lse = npu_attention_with_lse(q, k, v, scale, visible=visible)
-    elif q.device.type == "cpu":
-        out, lse = cpu_attention_with_lse(q, k, v, scale, visible=visible)
-    else:
+    fused = FUSED_ATTENTION_BY_DEVICE.get(q.device.type)
+    if fused is None:
         return plain_attention_with_lse(q, k, v, scale, visible=visible)
+    out, lse = fused(q, k, v, scale, visible=visible)
     if visible is not None:
         blind = ~visible.any(dim=-1)  # [B or 1, 1, L]
         out = out.masked_fill(blind[..., None], 0.0)
@@ -79,6 +77,10 @@ def npu_attention_with_lse(q, k, v, scale, *, visible=None):
         softmax_lse_flag=True,
     )
     return out, lse.squeeze(-1).float()
+
+
+# The fused attention-with-LSE of each device type; other devices take the plain path.
+FUSED_ATTENTION_BY_DEVICE = {"cpu": cpu_attention_with_lse, "npu": npu_attention_with_lse}
 
 
 def plain_attention_with_lse(q, k, v, scale, *, visible=None, logit_cap=0.0):
