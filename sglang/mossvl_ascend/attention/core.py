@@ -15,22 +15,31 @@ Padding is bounded: requests are sorted by key length and split into a few bucke
 small batches in one call). Requests without an encoder and padding contribute nothing (cross-attention rows
 that see no key are zero).
 
+Opt-in on an NPU (``MOSSVL_NPU_PAGED_ATTENTION=1``, off by default until it has run on an Ascend card):
+one-row groups (decode) read K/V in place from the paged pool through a block table and per-request KV
+lengths (``torch_npu.npu_fused_infer_attention_score``), no gather. Checked on CPU only, against the
+STAND-IN of that op in ``tests/fake_torch_npu.py``.
+
 Tensors: query/output ``[num_tokens, num_heads, head_dim]`` packed in batch order; ``k_cache``/``v_cache``
 ``[pool_slots, num_kv_heads, head_dim]``; ``req_to_token`` ``[pool_rows, max_context]`` int.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from mossvl_ascend.attention.blocks import LEAF_ROWS, frame_causal_cross_attention
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
-from mossvl_ascend.attention.primitives import attention_with_lse
+from mossvl_ascend.attention.primitives import attention_with_lse, npu_paged_attention_with_lse
 
 # A call's padded rows x keys may exceed its useful rows x keys by this factor before the batch is split.
 PADDING_LIMIT = 2.0
+# Devices where MOSSVL_NPU_PAGED_ATTENTION=1 switches decode to the gather-free paged call.
+PAGED_ATTENTION_DEVICES = ("npu",)
+
 # Calls below this padded area never split: one call is cheaper than saving a little padding.
 _PADDING_FLOOR = 1 << 16
 
@@ -47,13 +56,14 @@ class AttentionLayer:
 
 @dataclass(frozen=True)
 class PaddedGroup:
-    """Requests computed in one call: KV slot table ``[B, max_keys]`` (padding -> slot 0), key lengths ``[B]``,
-    query positions (packed row index of every new row ``[B, max_rows]``, padding -> 0), row counts ``[B]``,
+    """Requests computed in one call: KV slot table ``[B, max_keys]`` (padding -> slot 0), key lengths ``[B]`` and
+    where the keys start in the request's slots ``[B]`` (self-attention: behind the encoder), query positions (packed row index of every new row ``[B, max_rows]``, padding -> 0), row counts ``[B]``,
     cached text prefix ``[B]`` (self-attention's causal offset) and cross boundaries ``[B, max_rows]``."""
 
     requests: tuple[int, ...]
     slots: torch.Tensor
     key_lens: torch.Tensor
+    key_starts: torch.Tensor
     query_index: torch.Tensor
     row_lens: torch.Tensor
     prefix_lens: torch.Tensor
@@ -70,11 +80,21 @@ def attention(
     layer: AttentionLayer,
     *,
     full_to_swa_mapping: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> torch.Tensor:
-    """One layer's attention for every request of the batch; returns ``[num_tokens, num_heads, v_head_dim]``."""
+    """One layer's attention for every request of the batch; returns ``[num_tokens, num_heads, v_head_dim]``.
+
+    ``page_size`` (the KV pool's) is read only by the opt-in paged decode.
+    """
     output = query.new_zeros(query.shape[0], query.shape[1], v_cache.shape[-1])
+    paged = _paged_attention_enabled(query.device) and full_to_swa_mapping is None and not layer.logit_cap
     for group in _groups(metadata, req_to_token, req_pool_indices, layer.is_cross_attention):
-        _group_attention(query, output, k_cache, v_cache, group, layer, full_to_swa_mapping)
+        if paged and group.query_index.shape[1] == 1:
+            _paged_group_attention(
+                query, output, k_cache, v_cache, req_to_token, req_pool_indices, group, layer, page_size
+            )
+        else:
+            _group_attention(query, output, k_cache, v_cache, group, layer, full_to_swa_mapping)
     if layer.is_cross_attention:
         for index in _staircase_requests(metadata):
             _staircase_attention(
@@ -158,8 +178,9 @@ def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], 
     max_rows, max_keys = max(row_lens), max(key_lens)
 
     key_lens_t = torch.tensor(key_lens, device=device)
+    key_starts_t = torch.tensor(key_starts, device=device)
     key_offsets = torch.arange(max_keys, device=device)[None, :]
-    columns = (torch.tensor(key_starts, device=device)[:, None] + key_offsets).clamp_(max=req_to_token.shape[1] - 1)
+    columns = (key_starts_t[:, None] + key_offsets).clamp_(max=req_to_token.shape[1] - 1)
     pool_rows = req_pool_indices[members].to(device).long()
     slots = req_to_token[pool_rows[:, None], columns].long()
     slots = slots.masked_fill_(key_offsets >= key_lens_t[:, None], 0)
@@ -179,7 +200,7 @@ def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], 
             else:
                 boundaries[j, : row_lens[j]] = request_bounds.to(device)
     prefix_lens = torch.tensor([metadata.prefix_lens[i] for i in members], device=device)
-    return PaddedGroup(tuple(members), slots, key_lens_t, query_index, row_lens_t, prefix_lens, boundaries)
+    return PaddedGroup(tuple(members), slots, key_lens_t, key_starts_t, query_index, row_lens_t, prefix_lens, boundaries)
 
 
 def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer: AttentionLayer, slot_map) -> None:
@@ -224,3 +245,27 @@ def _staircase_attention(
         logit_cap=layer.logit_cap, plan=metadata.plans[index],
     )
     output[rows] = out.movedim(0, 1)
+
+
+def _paged_attention_enabled(device: torch.device) -> bool:
+    return device.type in PAGED_ATTENTION_DEVICES and os.environ.get("MOSSVL_NPU_PAGED_ATTENTION") == "1"
+
+
+def _paged_group_attention(query, output, k_cache, v_cache, req_to_token, req_pool_indices, group, layer, page_size):
+    """One-row group straight from the paged pool: block table over each request's slots up to the end of its
+    keys, the encoder in front of self-attention's text masked out, no K/V gather."""
+    device = query.device
+    ends = group.boundaries[:, 0] if layer.is_cross_attention else group.key_starts + group.key_lens
+    max_end = int(ends.max())
+    blocks = -(-max_end // page_size)
+    columns = (torch.arange(blocks, device=device) * page_size).clamp_(max=req_to_token.shape[1] - 1)
+    pool_rows = req_pool_indices[list(group.requests)].to(device).long()
+    block_table = (req_to_token[pool_rows[:, None], columns] // page_size).to(torch.int32)
+    q = query[group.query_index].permute(0, 2, 1, 3)
+    pages_shape = (-1, page_size, k_cache.shape[1] * k_cache.shape[2])
+    out, _ = npu_paged_attention_with_lse(
+        q, k_cache.view(pages_shape), v_cache.view(-1, page_size, v_cache.shape[1] * v_cache.shape[2]),
+        layer.scale, block_table=block_table, block_size=page_size, kv_ends=ends.tolist(),
+        hidden_prefix=group.key_starts,
+    )
+    output[group.query_index[:, 0]] = out[:, :, 0]

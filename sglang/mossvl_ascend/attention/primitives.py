@@ -79,6 +79,39 @@ def npu_attention_with_lse(q, k, v, scale, *, visible=None):
     return out, lse.squeeze(-1).float()
 
 
+def npu_paged_attention_with_lse(q, k_pages, v_pages, scale, *, block_table, block_size, kv_ends, hidden_prefix):
+    """Attention straight from the paged KV pool: ``npu_fused_infer_attention_score`` with ``block_table``.
+
+    q ``[B, Hq, rows, D]``; k/v_pages ``[num_blocks, block_size, Hk * D]`` (the pool, no copy); block_table
+    int32 ``[B, max_blocks]``; kv_ends ``[B]`` host ints, keys at positions ``>= kv_ends[b]`` unseen
+    (``actual_seq_lengths_kv``); hidden_prefix ``[B]`` tensor, positions ``< hidden_prefix[b]`` masked out (the
+    encoder in front of a request's text, which a block table cannot skip). Returns (out, lse) like
+    :func:`attention_with_lse`. Written to the torch_npu documentation; not run on an Ascend card.
+    """
+    import torch_npu
+
+    batch, num_heads, rows, dim = q.shape
+    positions = torch.arange(block_table.shape[1] * block_size, device=q.device)
+    masked_out = (positions[None, :] < hidden_prefix[:, None]).view(batch, 1, 1, -1).expand(-1, -1, rows, -1)
+    out, lse = torch_npu.npu_fused_infer_attention_score(
+        q.contiguous(),
+        k_pages,
+        v_pages,
+        num_heads=num_heads,
+        num_key_value_heads=k_pages.shape[-1] // dim,
+        input_layout="BNSD",
+        scale=scale,
+        block_table=block_table,
+        block_size=block_size,
+        actual_seq_lengths_kv=kv_ends,
+        atten_mask=masked_out.contiguous(),  # Ascend: True = masked out
+        softmax_lse_flag=True,
+    )
+    lse = lse.squeeze(-1).float()
+    blind = (torch.as_tensor(kv_ends, device=q.device) <= hidden_prefix).view(batch, 1, 1)
+    return out.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, float("-inf"))
+
+
 # The fused attention-with-LSE of each device type; other devices take the plain path.
 FUSED_ATTENTION_BY_DEVICE = {"cpu": cpu_attention_with_lse, "npu": npu_attention_with_lse}
 

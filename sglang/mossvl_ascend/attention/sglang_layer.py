@@ -62,5 +62,6 @@ def encoder_decoder_attention(
         forward_batch.req_pool_indices,
         metadata_of_forward_batch(forward_batch),
         layer_constants(layer),
+        page_size=token_to_kv_pool.page_size,
     )
     return output.view(-1, layer.tp_q_head_num * layer.v_head_dim)
