@@ -42,8 +42,9 @@ serve: setup ## foreground server on 127.0.0.1:$(PORT); override MODEL=, DEVICE=
 	$(if $(filter cpu,$(DEVICE)),$(CPU_ENV)) $(PY) -m sglang.launch_server --model-path $(MODEL) --device $(DEVICE) \
 	  --host 127.0.0.1 --port $(PORT) --trust-remote-code --enable-multimodal --max-total-tokens 16384 $(ARGS)
 
-bench: setup ## cross-attention benchmark: dense packed mask vs per-row boundaries vs the FLOP floor (prints a table)
+bench: setup ## attention benchmarks: cross-attention (dense mask vs boundaries vs floor, per dtype), then batched core vs per-request loop
 	$(CPU_ENV) $(PY) benchmarks/bench_cross_attention.py
+	$(CPU_ENV) $(PY) benchmarks/bench_native_attention.py
 
 bench-serving: setup ## sglang bench_serving (c=1, c=8) vs the reference model one by one, bench preset on CPU (~15 min)
 	$(CPU_ENV) $(PY) -m benchmarks.bench_serving $(ARGS)

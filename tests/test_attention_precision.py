@@ -1,4 +1,5 @@
-"""Frame-causal cross-attention precision in fp32, bf16 and fp16, through the hooked stock method (the edge).
+"""Frame-causal cross-attention precision in fp32, bf16 and fp16, through the hooked stock method (the edge) and
+through the backends' entry (metadata from boundaries, then the core).
 
 Oracle: :func:`support.precision.fp64_reference` (per-row softmax over the visible keys only, fp64). Budget: a
 half-precision case's max error is at most 1.5x the error of ONE dense masked attention in the same dtype on the
@@ -20,6 +21,7 @@ from support.precision import (
     max_error,
     random_case,
     random_qkv,
+    through_core,
     through_stock_method,
     video_case,
 )
@@ -30,13 +32,16 @@ HEADS = {"8:2": (8, 2), "8:1": (8, 1), "4:4": (4, 4)}
 SOFTCAP = 30.0
 
 
-def check_precision(native, case, heads, dtype, logit_cap, head_dim=128):
+def check_precision(native, case, heads, dtype, logit_cap, head_dim=128, via="stock_method"):
     num_heads, num_kv_heads = heads
     scale = head_dim**-0.5
     q, k, v = random_qkv(num_heads, num_kv_heads, case.boundaries.numel(), case.encoder_len, head_dim)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     reference = fp64_reference(q, k, v, case.boundaries, scale, logit_cap)
-    out = through_stock_method(native, q, k, v, case.boundaries, scale, logit_cap)
+    if via == "stock_method":
+        out = through_stock_method(native, q, k, v, case.boundaries, scale, logit_cap)
+    else:
+        out = through_core(q, k, v, case.boundaries, scale, logit_cap)
     assert out.dtype == dtype and torch.isfinite(out).all()
     blind = case.boundaries == 0
     assert torch.equal(out[:, blind], torch.zeros_like(out[:, blind]))
@@ -54,6 +59,13 @@ def check_precision(native, case, heads, dtype, logit_cap, head_dim=128):
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_cases_within_budget_gqa_8_2(patched_native, case, dtype, logit_cap):
     check_precision(patched_native, case(), (8, 2), dtype, logit_cap)
+
+
+@pytest.mark.parametrize("logit_cap", [0.0, SOFTCAP], ids=["plain", "softcap"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("case", [images_case, random_case], ids=["images", "random"])
+def test_cases_within_budget_through_the_backends_entry(case, dtype, logit_cap):
+    check_precision(None, case(), (8, 2), dtype, logit_cap, via="core")
 
 
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())

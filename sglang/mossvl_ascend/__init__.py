@@ -18,12 +18,12 @@ Server arguments (``server_args``)
      radix cache off with one log line unless ``MOSSVL_NPU_ENABLE_RADIX_CACHE=1``, decode graphs off,
      ``ASCEND_USE_FIA``/``ASCEND_USE_FA`` refused; ``--device cpu``: torch_native.
      target ``arg_groups.model_override_base._invoke_provider`` — hook.
-Attention (``native_attention``, ``ascend_backend``, ``cpu_attention``, ``compact_visibility``,
-``frame_causal_attention``)
+Attention (hooks ``native_attention``, ``ascend_backend``, ``cpu_attention``, ``compact_visibility`` over the
+attention core ``attention/``: primitives + blocks (math) <- metadata + core (batch) <- sglang_layer (adapter))
   2. Cross-attention mask built on every extend whatever the prefill backend.
      target ``models.moss_vl.MossVLForConditionalGeneration.prepare_forward_batch`` — already correct.
-  3. Native extend consumes ``cross_attention_custom_mask`` (new-token queries only, running offset,
-     True = attend, plain and softcap paths, blind rows and empty encoders -> 0, size errors name the request).
+  3. Native extend consumes ``cross_attention_custom_mask`` (converted once to per-row boundaries, then the
+     attention core; blind rows and empty encoders -> 0, size errors name the request, non-prefix masks refused).
      target ``hardware_backend.npu.attention.ascend_torch_native_backend.AscendTorchNativeAttnBackend.
      run_sdpa_forward_extend`` — hook; ``AscendAttnBackend.forward_extend``/``forward_decode`` pass the mask
      and route encoder batches to it — hook.
@@ -31,8 +31,9 @@ Attention (``native_attention``, ``ascend_backend``, ``cpu_attention``, ``compac
      same target — hook.
   5. Decode cross-attention with cached encoder K/V (k = v = None: no write, all frames visible).
      ``AscendAttnBackend.forward_decode`` — already correct (pinned), routed through the same math.
- 12. Frame visibility as one int32 boundary per text row instead of the dense packed mask; cross-attention
-     computed from it without a full-size mask (``compact_visibility`` + ``frame_causal_attention``).
+ 12. Frame visibility as one int32 boundary per text row instead of the dense packed mask, in a per-forward
+     metadata object built once for every layer; cross-attention in blocks merged by log-sum-exp in fp32, exact in
+     fp32/bf16/fp16 (``compact_visibility`` + ``attention``).
      target ``models.moss_vl.MossVLForConditionalGeneration.prepare_forward_batch`` — hook (an optimisation;
      CUDA keeps the packed mask for flashinfer; packed masks from other producers still work).
   9. CPU servers run MOSS-VL attention through the patched Ascend native math.

@@ -105,13 +105,10 @@ def packed_mask(boundaries: torch.Tensor, encoder_len: int) -> torch.Tensor:
     return visibility(boundaries, encoder_len).to(torch.uint8).flatten()
 
 
-def through_stock_method(native, q, k, v, boundaries, scale, logit_cap=0.0):
-    """One request through ``run_sdpa_forward_extend`` (the hooked edge) with its packed mask; returns ``[Hq, L, Dv]``.
-
-    The request's encoder K/V sit at shuffled pool slots behind a noisy pool; no text prefix is cached.
-    """
-    num_heads, rows, head_dim = q.shape
-    num_kv_heads, encoder_len, _ = k.shape
+def one_request_pool(q, k, v):
+    """The request's encoder K/V at shuffled slots of a noisy pool: (k_cache, v_cache, req_to_token row 1)."""
+    num_kv_heads, encoder_len, head_dim = k.shape
+    rows = q.shape[1]
     gen = torch.Generator().manual_seed(1)
     pool_slots = encoder_len + rows + 16
     k_cache = torch.randn(pool_slots, num_kv_heads, head_dim, generator=gen).to(q.dtype)
@@ -121,6 +118,33 @@ def through_stock_method(native, q, k, v, boundaries, scale, logit_cap=0.0):
     v_cache[slots[:encoder_len]] = v.transpose(0, 1)
     req_to_token = torch.zeros(2, encoder_len + rows, dtype=torch.int32)
     req_to_token[1] = slots.int()
+    return k_cache, v_cache, req_to_token
+
+
+def through_core(q, k, v, boundaries, scale, logit_cap=0.0):
+    """One request through the backends' entry: metadata from boundaries (what the prepare_forward_batch hook
+    builds), then :func:`mossvl_ascend.attention.core.attention`; returns ``[Hq, L, Dv]``."""
+    from mossvl_ascend.attention.core import AttentionLayer, attention
+    from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
+
+    rows, encoder_len = q.shape[1], k.shape[1]
+    k_cache, v_cache, req_to_token = one_request_pool(q, k, v)
+    metadata = ForwardAttentionMetadata.build([rows], [0], [encoder_len], [boundaries.to(torch.int32)])
+    out = attention(
+        q.transpose(0, 1).contiguous(), k_cache, v_cache, req_to_token, torch.tensor([1]), metadata,
+        AttentionLayer(True, scale, False, logit_cap),
+    )
+    return out.transpose(0, 1)
+
+
+def through_stock_method(native, q, k, v, boundaries, scale, logit_cap=0.0):
+    """One request through ``run_sdpa_forward_extend`` (the hooked edge) with its packed mask; returns ``[Hq, L, Dv]``.
+
+    The request's encoder K/V sit at shuffled pool slots behind a noisy pool; no text prefix is cached.
+    """
+    num_heads, rows, _ = q.shape
+    num_kv_heads, encoder_len, _ = k.shape
+    k_cache, v_cache, req_to_token = one_request_pool(q, k, v)
     query = q.transpose(0, 1).contiguous()
     output = torch.full((rows, num_heads, v.shape[-1]), float("nan"), dtype=q.dtype)
     native.run_sdpa_forward_extend(
