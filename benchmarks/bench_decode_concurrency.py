@@ -62,9 +62,11 @@ def main() -> None:
         for _ in range(args.rounds):
             alone.extend(streamed_tpot(client, model, args.max_tokens) for _ in range(2))
             with ThreadPoolExecutor(args.concurrency) as pool:
-                together.extend(pool.map(lambda _: streamed_tpot(client, model, args.max_tokens), range(args.concurrency)))
+                requests = [args.max_tokens] * args.concurrency
+                together.extend(pool.map(lambda tokens: streamed_tpot(client, model, tokens), requests))
     alone_ms, together_ms = statistics.median(alone) * 1e3, statistics.median(together) * 1e3
-    print(f"tiny checkpoint, fp32, {args.max_tokens} tokens, {args.rounds} rounds, load average {os.getloadavg()[0]:.1f}")
+    load = os.getloadavg()[0]
+    print(f"tiny checkpoint, fp32, {args.max_tokens} tokens, {args.rounds} rounds, load average {load:.1f}")
     print(f"{'requests':>8} {'median TPOT ms':>14} {'min':>7} {'max':>7}")
     print(f"{1:>8} {alone_ms:>14.2f} {min(alone) * 1e3:>7.2f} {max(alone) * 1e3:>7.2f}")
     print(f"{args.concurrency:>8} {together_ms:>14.2f} {min(together) * 1e3:>7.2f} {max(together) * 1e3:>7.2f}")

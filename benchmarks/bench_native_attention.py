@@ -1,9 +1,11 @@
 """Batched MOSS-VL attention core vs the per-request loop it replaces (issue 11): one layer call, CPU.
 
-Every request has an encoder of ENCODER_LEN vision tokens (one image) in front of a text context drawn from
-512-4096 tokens, in a shuffled KV pool. Modes:
+Every request has an encoder (one image) in front of a text context drawn from a range, in a shuffled KV pool.
+Presets: ``issue`` (default; 8 query / 2 KV heads, head_dim 128, encoder 1024, text 512-4096) and ``tiny`` (the
+tiny checkpoint's attention: 4 / 2 heads, head_dim 32, encoder 17, text 64-256, where host work dominates).
+Modes:
   decode: one new row per request (self-attention over its text, cross-attention over its encoder);
-  extend: EXTEND_ROWS new rows per request after its cached text (cross rows see the whole image).
+  extend: ``extend_rows`` new rows per request after its cached text (cross rows see the whole image).
 Methods, side by side on the same tensors and metadata: ``loop`` = ``core.per_request_attention`` (one call per
 request, what the native path did), ``batched`` = ``core.attention`` (padded slot tables built once per forward,
 then a few calls per layer). Columns: ms per layer call (best of --reps, methods interleaved), aten ops per call
@@ -27,13 +29,24 @@ import weakref  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from dataclasses import dataclass  # noqa: E402
+
 from mossvl_ascend.attention.core import AttentionLayer, attention, per_request_attention  # noqa: E402
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata  # noqa: E402
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 128
-ENCODER_LEN = 1024
-EXTEND_ROWS = 32
-CONTEXT_RANGE = (512, 4096)
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    encoder_len: int
+    context_range: tuple[int, int]
+    extend_rows: int
+
+
+PRESETS = {"issue": Shape(8, 2, 128, 1024, (512, 4096), 32), "tiny": Shape(4, 2, 32, 17, (64, 256), 32)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -70,22 +83,23 @@ class OpCounter(TorchDispatchMode):
         self.live -= size
 
 
-def make_batch(batch: int, mode: str, dtype: torch.dtype, seed: int):
-    """Pool, req_to_token, query and metadata for ``batch`` requests (text contexts in CONTEXT_RANGE)."""
+def make_batch(shape: Shape, batch: int, mode: str, dtype: torch.dtype, seed: int):
+    """Pool, req_to_token, query and metadata for ``batch`` requests (text contexts in the shape's range)."""
     gen = torch.Generator().manual_seed(seed)
-    contexts = torch.randint(CONTEXT_RANGE[0], CONTEXT_RANGE[1] + 1, (batch,), generator=gen).tolist()
-    rows = [1 if mode == "decode" else EXTEND_ROWS for _ in contexts]
-    total = sum(ENCODER_LEN + c for c in contexts)
-    k_cache = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v_cache = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    contexts = torch.randint(shape.context_range[0], shape.context_range[1] + 1, (batch,), generator=gen).tolist()
+    rows = [1 if mode == "decode" else shape.extend_rows for _ in contexts]
+    encoder = shape.encoder_len
+    total = sum(encoder + c for c in contexts)
+    k_cache = torch.randn(total + 1, shape.num_kv_heads, shape.head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(total + 1, shape.num_kv_heads, shape.head_dim, generator=gen).to(dtype)
     slots = (torch.randperm(total, generator=gen) + 1).int()
-    req_to_token = torch.zeros(batch, ENCODER_LEN + max(contexts), dtype=torch.int32)
+    req_to_token = torch.zeros(batch, encoder + max(contexts), dtype=torch.int32)
     start = 0
     for i, context in enumerate(contexts):
-        req_to_token[i, : ENCODER_LEN + context] = slots[start : start + ENCODER_LEN + context]
-        start += ENCODER_LEN + context
-    query = torch.randn(sum(rows), NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    metadata = ForwardAttentionMetadata.build(rows, [c - r for c, r in zip(contexts, rows)], [ENCODER_LEN] * batch)
+        req_to_token[i, : encoder + context] = slots[start : start + encoder + context]
+        start += encoder + context
+    query = torch.randn(sum(rows), shape.num_heads, shape.head_dim, generator=gen).to(dtype)
+    metadata = ForwardAttentionMetadata.build(rows, [c - r for c, r in zip(contexts, rows)], [encoder] * batch)
     return (query, k_cache, v_cache, req_to_token, torch.randperm(batch, generator=gen)), metadata, contexts
 
 
@@ -95,11 +109,11 @@ def time_call(fn) -> float:
     return time.perf_counter() - start
 
 
-def measure(mode: str, batch: int, dtype_name: str, kind: str, reps: int) -> dict:
-    tensors, metadata, contexts = make_batch(batch, mode, DTYPES[dtype_name], seed=batch)
+def measure(shape: Shape, mode: str, batch: int, dtype_name: str, kind: str, reps: int) -> dict:
+    tensors, metadata, contexts = make_batch(shape, batch, mode, DTYPES[dtype_name], seed=batch)
     query, k_cache, v_cache, req_to_token, pool_rows = tensors
     req_to_token = req_to_token[torch.argsort(pool_rows)]  # request i lives in pool row pool_rows[i]
-    layer = AttentionLayer(kind == "cross", HEAD_DIM**-0.5, kind == "self")
+    layer = AttentionLayer(kind == "cross", shape.head_dim**-0.5, kind == "self")
     args = (query, k_cache, v_cache, req_to_token, pool_rows, metadata, layer)
     methods = {"loop": lambda: per_request_attention(*args), "batched": lambda: attention(*args)}
     outputs = {name: fn() for name, fn in methods.items()}  # also builds the forward's cached slot tables
@@ -141,15 +155,18 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["self", "cross"], choices=["self", "cross"])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--preset", default="issue", choices=list(PRESETS))
     args = parser.parse_args()
+    shape = PRESETS[args.preset]
     print(
-        f"{NUM_HEADS} query heads / {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, encoder {ENCODER_LEN}, text "
-        f"context {CONTEXT_RANGE[0]}-{CONTEXT_RANGE[1]}, extend {EXTEND_ROWS} rows; torch {torch.__version__}, "
+        f"preset {args.preset}: {shape.num_heads} query heads / {shape.num_kv_heads} KV heads, head_dim "
+        f"{shape.head_dim}, encoder {shape.encoder_len}, text context {shape.context_range[0]}-"
+        f"{shape.context_range[1]}, extend {shape.extend_rows} rows; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, best of {args.reps}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     rows = [
-        measure(mode, batch, dtype, kind, args.reps)
+        measure(shape, mode, batch, dtype, kind, args.reps)
         for dtype in args.dtypes
         for mode in args.modes
         for kind in args.kinds
@@ -158,7 +175,8 @@ def main() -> None:
     print_table(rows)
 
     def cell(mode, batch):
-        return next((r for r in rows if (r["mode"], r["kind"], r["dtype"], r["batch"]) == (mode, "self", "fp32", batch)), None)
+        wanted = (mode, "self", "fp32", batch)
+        return next((r for r in rows if (r["mode"], r["kind"], r["dtype"], r["batch"]) == wanted), None)
 
     d1, d64, e8 = cell("decode", 1), cell("decode", 64), cell("extend", 8)
     if d1 and d64 and e8:

@@ -49,7 +49,8 @@ def check_precision(native, case, heads, dtype, logit_cap, head_dim=128, via="st
     if dtype == torch.float32:
         budget = 1e-5
     else:
-        dense_error = max_error(dense_same_dtype(q, k, v, case.boundaries, scale, logit_cap), reference, case.boundaries)
+        dense = dense_same_dtype(q, k, v, case.boundaries, scale, logit_cap)
+        dense_error = max_error(dense, reference, case.boundaries)
         budget = 1.5 * dense_error + 1e-3
     assert error <= budget, f"{case.name} {dtype} cap={logit_cap}: error {error:.3g} > budget {budget:.3g}"
 

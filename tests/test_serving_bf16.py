@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(900)
 FILLER = " ".join(["The scene shows shapes and colours that change slowly across the frame."] * 6)
 MESSAGES = [{"role": "user", "content": [
     {"type": "image", "image": str(ASSETS / "square_64.png")}, {"type": "text", "text": "First picture. " + FILLER},
-    {"type": "image", "image": str(ASSETS / "gradient_96x64.png")}, {"type": "text", "text": "Second picture. " + FILLER},
+    {"type": "image", "image": str(ASSETS / "gradient_96x64.png")},
+    {"type": "text", "text": "Second picture. " + FILLER},
     {"type": "image", "image": str(ASSETS / "square_64.png")},
     {"type": "text", "text": "Third picture. " + FILLER + " Compare them."},
 ]}]
@@ -42,7 +43,10 @@ def reference(checkpoint):
     model, processor = load_reference(checkpoint)
     inputs, _ = model.processor_inputs(processor, {"messages": MESSAGES})
     fp32 = prompt_logprobs(model, inputs)
-    bf16_inputs = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    bf16_inputs = {
+        key: value.to(torch.bfloat16) if torch.is_tensor(value) and value.is_floating_point() else value
+        for key, value in inputs.items()
+    }
     bf16 = prompt_logprobs(model.to(torch.bfloat16), bf16_inputs)
     visible_frames = (~inputs["cross_attention_mask"][0, 0]).sum(-1)
     assert inputs["input_ids"].shape[1] > 192 and visible_frames.unique().numel() == 4  # a staircase over 3 images
@@ -52,7 +56,8 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def served(checkpoint, reference):
-    with SglangServer(checkpoint, extra_args=["--dtype", "bfloat16", "--skip-server-warmup"], name="test-bf16") as server:
+    bf16_args = ["--dtype", "bfloat16", "--skip-server-warmup"]
+    with SglangServer(checkpoint, extra_args=bf16_args, name="test-bf16") as server:
         response = requests.post(
             f"{server.base_url}/generate",
             json={

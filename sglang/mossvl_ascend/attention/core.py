@@ -26,6 +26,7 @@ Tensors: query/output ``[num_tokens, num_heads, head_dim]`` packed in batch orde
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -56,9 +57,16 @@ class AttentionLayer:
 
 @dataclass(frozen=True)
 class PaddedGroup:
-    """Requests computed in one call: KV slot table ``[B, max_keys]`` (padding -> slot 0), key lengths ``[B]`` and
-    where the keys start in the request's slots ``[B]`` (self-attention: behind the encoder), query positions (packed row index of every new row ``[B, max_rows]``, padding -> 0), row counts ``[B]``,
-    cached text prefix ``[B]`` (self-attention's causal offset) and cross boundaries ``[B, max_rows]``."""
+    """Requests computed in one call, in padded form (padding rows and keys read slot / row 0, then discarded).
+
+    ``slots`` ``[B, max_keys]`` KV-pool slots of each request's keys, which start at ``key_starts`` ``[B]`` in its
+    slots (self-attention: behind the encoder) and number ``key_lens`` ``[B]``; ``query_index`` ``[B, max_rows]``
+    packed row of each new row, ``row_lens`` ``[B]``; ``prefix_lens`` ``[B]`` cached text (the causal offset);
+    ``boundaries`` ``[B, max_rows]`` (cross-attention). ``visible`` ``[B, 1, rows, keys]`` (True = attend: below
+    the boundary for cross-attention, causal with the cached prefix and within the length for self-attention) is
+    None when every row sees every key (decode over equal lengths, decided on the host); ``output_rows`` /
+    ``padded_rows`` map the real rows between the packed and the padded layout.
+    """
 
     requests: tuple[int, ...]
     slots: torch.Tensor
@@ -68,6 +76,9 @@ class PaddedGroup:
     row_lens: torch.Tensor
     prefix_lens: torch.Tensor
     boundaries: torch.Tensor | None
+    visible: torch.Tensor | None
+    output_rows: torch.Tensor
+    padded_rows: torch.Tensor
 
 
 def attention(
@@ -130,7 +141,8 @@ def _staircase_requests(metadata: ForwardAttentionMetadata) -> list[int]:
 def _groups(metadata, req_to_token, req_pool_indices, is_cross: bool) -> list[PaddedGroup]:
     """This forward's padded groups for one attention kind, built on the first layer of that kind and cached
     (every layer of a forward reads the same ``req_to_token`` rows)."""
-    return metadata.cached(("groups", is_cross), lambda: _build_groups(metadata, req_to_token, req_pool_indices, is_cross))
+    build = functools.partial(_build_groups, metadata, req_to_token, req_pool_indices, is_cross)
+    return metadata.cached(("groups", is_cross), build)
 
 
 def _build_groups(metadata, req_to_token, req_pool_indices, is_cross: bool) -> list[PaddedGroup]:
@@ -200,33 +212,39 @@ def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], 
             else:
                 boundaries[j, : row_lens[j]] = request_bounds.to(device)
     prefix_lens = torch.tensor([metadata.prefix_lens[i] for i in members], device=device)
-    return PaddedGroup(tuple(members), slots, key_lens_t, key_starts_t, query_index, row_lens_t, prefix_lens, boundaries)
+    # One row per request after its whole cached text (decode): the causal limit is the key length itself.
+    sees_all_keys = max_rows == 1 and len(set(key_lens)) == 1
+    if is_cross:
+        sees_all_keys = sees_all_keys and all(metadata.cross_boundaries[i] is None for i in members)
+    visible = None
+    if not sees_all_keys:
+        keys = key_offsets[:, None, :]  # [1, 1, max_keys]
+        if is_cross:
+            visible = keys < boundaries[:, :, None]
+        else:
+            causal_limit = prefix_lens[:, None, None] + row_offsets[:, :, None]
+            visible = (keys < key_lens_t[:, None, None]) & (keys <= causal_limit)
+        visible = visible[:, None]
+    real = (row_offsets < row_lens_t[:, None]).flatten()
+    return PaddedGroup(
+        tuple(members), slots, key_lens_t, key_starts_t, query_index, row_lens_t, prefix_lens, boundaries,
+        visible, query_index.flatten()[real], real.nonzero().flatten(),
+    )
 
 
 def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer: AttentionLayer, slot_map) -> None:
     """One primitive call for every request of the group; writes their rows of ``output``."""
     batch, max_rows = group.query_index.shape
     slots = group.slots if slot_map is None else slot_map[group.slots]
-    max_keys = slots.shape[1]
     q = query[group.query_index].permute(0, 2, 1, 3)  # [B, Hq, rows, D]
     k = k_cache[slots].to(query.dtype).permute(0, 2, 1, 3)  # [B, Hk, keys, D]
     v = v_cache[slots].to(query.dtype).permute(0, 2, 1, 3)
-    keys = torch.arange(max_keys, device=query.device)[None, None, :]
-    rows = torch.arange(max_rows, device=query.device)[None, :, None]
-    if layer.is_cross_attention:
-        visible = keys < group.boundaries[:, :, None]
-    else:
-        visible = keys < group.key_lens[:, None, None]
-        if layer.causal:
-            visible = visible & (keys <= group.prefix_lens[:, None, None] + rows)
-    if max_rows == 1 and bool(visible.all()):
-        visible = None  # decode over equal lengths: no mask at all
-    else:
-        visible = visible[:, None]
+    visible = group.visible
+    if not (layer.is_cross_attention or layer.causal):  # encoder-only self-attention: lengths only
+        visible = (torch.arange(slots.shape[1], device=query.device) < group.key_lens[:, None])[:, None, None]
     out, _ = attention_with_lse(q, k, v, layer.scale, visible=visible, logit_cap=layer.logit_cap)
-    real_rows = (rows[0, :, 0][None, :] < group.row_lens[:, None]).flatten()
     out = out.permute(0, 2, 1, 3).reshape(batch * max_rows, out.shape[1], -1)
-    output[group.query_index.flatten()[real_rows]] = out[real_rows]
+    output[group.output_rows] = out[group.padded_rows]
 
 
 def _staircase_attention(
