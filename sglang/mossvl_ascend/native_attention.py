@@ -30,9 +30,9 @@ Catalog
   ``ForwardAttentionMetadata.from_packed_mask``; a row that is not an encoder prefix raises ValueError); every
   other batch goes to the stock method unchanged.
   Cross-attention: queries are the request's new tokens only, keys/values its encoder slots,
-  mask slice read at a running offset advancing by ``extend_seq_len x encoder_len``, bool True =
-  attend (torch SDPA convention), same on the plain and the logit-softcap paths; rows that see
-  nothing and requests with ``encoder_len == 0`` give zeros, never NaN. Self-attention: keys over
+  mask slice read at a running offset advancing by ``extend_seq_len x encoder_len`` (1 = visible),
+  frame-causal blocks merged by log-sum-exp in fp32, same on the plain and the logit-softcap paths;
+  rows that see nothing and requests with ``encoder_len == 0`` give zeros, never NaN. Self-attention: keys over
   ``[encoder_len, encoder_len + seq_len)``, query ``i`` sees keys ``j <= prefix_len + i``.
   A mask whose size disagrees with the batch raises ValueError naming the request and lengths.
 - *upstream status / when to remove*: not upstream in 0.5.23 (the source PR patched the file in
