@@ -267,6 +267,7 @@ def moss_vl_extend_batch(requests, grids, merge):
         extend_seq_lens_cpu=[r.extend_len for r in requests],
         extend_prefix_lens_cpu=[r.prefix_len for r in requests],
         seq_lens=torch.tensor([r.text_len for r in requests]),
+        seq_lens_cpu=torch.tensor([r.text_len for r in requests]),
         mm_inputs=mm_inputs,
     )
 

@@ -163,7 +163,7 @@ def metadata_of_forward_batch(forward_batch) -> ForwardAttentionMetadata:
         device = forward_batch.seq_lens.device
         encoder_lens = _encoder_lens_list(forward_batch)
         if forward_batch.forward_mode.is_decode():
-            metadata = ForwardAttentionMetadata.for_decode(forward_batch.seq_lens.tolist(), encoder_lens, device)
+            metadata = ForwardAttentionMetadata.for_decode(_seq_lens_list(forward_batch), encoder_lens, device)
         else:
             metadata = ForwardAttentionMetadata.from_packed_mask(
                 list(forward_batch.extend_seq_lens_cpu),
@@ -174,6 +174,13 @@ def metadata_of_forward_batch(forward_batch) -> ForwardAttentionMetadata:
             )
         attach(forward_batch, metadata)
     return metadata
+
+
+def _seq_lens_list(forward_batch) -> list[int]:
+    """Text lengths from the host copy when sglang keeps one (no device sync per forward)."""
+    if forward_batch.seq_lens_cpu is not None:
+        return forward_batch.seq_lens_cpu.tolist()
+    return forward_batch.seq_lens.tolist()
 
 
 def _encoder_lens_list(forward_batch) -> list[int]:
@@ -187,7 +194,7 @@ def metadata_from_visible_frames(forward_batch, spatial_merge_size: int) -> Forw
     device = forward_batch.seq_lens.device
     encoder_lens = _encoder_lens_list(forward_batch)
     if forward_batch.forward_mode.is_decode():
-        return ForwardAttentionMetadata.for_decode(forward_batch.seq_lens.tolist(), encoder_lens, device)
+        return ForwardAttentionMetadata.for_decode(_seq_lens_list(forward_batch), encoder_lens, device)
     extend_lens = list(forward_batch.extend_seq_lens_cpu)
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
     boundaries = []
