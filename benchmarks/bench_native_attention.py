@@ -11,6 +11,8 @@ request, what the native path did), ``batched`` = ``core.attention`` (padded slo
 then a few calls per layer). Columns: ms per layer call (best of --reps, methods interleaved), speedup (median
 over reps of loop time / batched time measured back to back: robust to load drifting between reps), aten ops per call
 (counted with a TorchDispatchMode), peak extra memory (largest sum of live op outputs during one call, MiB).
+The batched form bounds each call's gathered K/V by ``core.GATHER_BUDGET_BYTES`` (CPU: 32 MiB), so on the CPU
+the ``issue`` preset splits large batches into several calls; ``--no-gather-budget`` measures it unbounded.
 
 Run (CPU): SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=sglang:cpu_shim .venv/bin/python benchmarks/bench_native_attention.py
 The last line is ``RESULT decode_ops_b64_over_b1=... decode_speedup_b64=... extend_speedup_b8=...`` (fp32, self-
@@ -33,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from dataclasses import dataclass  # noqa: E402
 
+from mossvl_ascend.attention import core  # noqa: E402
 from mossvl_ascend.attention.core import AttentionLayer, attention, per_request_attention  # noqa: E402
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata  # noqa: E402
 
@@ -71,6 +74,8 @@ class OpCounter(TorchDispatchMode):
         return out
 
     def _track(self, tensor: torch.Tensor) -> None:
+        if tensor._is_view():  # a view allocates nothing (and its storage may be the whole KV pool)
+            return
         pointer = tensor.untyped_storage().data_ptr()
         if pointer in self._storages or tensor.untyped_storage().nbytes() == 0:
             return
@@ -160,12 +165,16 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--preset", default="issue", choices=list(PRESETS))
+    parser.add_argument("--no-gather-budget", action="store_true", help="one call per length bucket on the CPU too")
     args = parser.parse_args()
+    if args.no_gather_budget:
+        core.GATHER_BUDGET_BYTES.clear()
     shape = PRESETS[args.preset]
     print(
         f"preset {args.preset}: {shape.num_heads} query heads / {shape.num_kv_heads} KV heads, head_dim "
         f"{shape.head_dim}, encoder {shape.encoder_len}, text context {shape.context_range[0]}-"
-        f"{shape.context_range[1]}, extend {shape.extend_rows} rows; torch {torch.__version__}, "
+        f"{shape.context_range[1]}, extend {shape.extend_rows} rows, gather budget {core.GATHER_BUDGET_BYTES}; "
+        f"torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, best of {args.reps}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )

@@ -73,7 +73,7 @@ def test_unequal_lengths_split_into_few_buckets_not_one_call_per_request(monkeyp
     batch = build_batch(requests)
     metadata = ForwardAttentionMetadata.for_decode(lengths, [0] * len(lengths), "cpu")
     monkeypatch.setattr(core, "_PADDING_FLOOR", 0)
-    groups = core._build_groups(metadata, batch.req_to_token, batch.req_pool_indices, is_cross=False)
+    groups = core._build_groups(metadata, batch.req_to_token, batch.req_pool_indices, False)
     assert 1 < len(groups) <= 3
     out = run(attention, batch, metadata, cross=False)
     torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
@@ -116,3 +116,13 @@ def test_opt_in_paged_decode_equals_default_through_the_stand_in(cross, monkeypa
             batch.query[i : i + 1], keys, values, torch.ones(1, keys.shape[0], dtype=torch.bool), SCALE
         )
         torch.testing.assert_close(paged[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gather_budget_splits_the_batch_and_keeps_the_result(monkeypatch):
+    """A call's gathered K/V is bounded per device: a small budget gives several calls, the same numbers."""
+    batch = build_batch(mixed_requests())
+    monkeypatch.setitem(core.GATHER_BUDGET_BYTES, "cpu", 16 * 2 * (2 * 8) * 4)  # 16 padded keys (K + V, fp32)
+    metadata = extend_metadata(batch)
+    out = run(attention, batch, metadata, cross=False)
+    assert len(metadata._cache[("groups", False)]) >= 3
+    torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)

@@ -12,7 +12,8 @@ All requests of a batch go through a few calls of the device primitive per layer
 
 Padding is bounded: requests are sorted by key length and split into a few buckets so that the padded
 ``rows x keys`` area of a call stays within ``PADDING_LIMIT`` times the useful area (plus a floor that keeps
-small batches in one call). Requests without an encoder and padding contribute nothing (cross-attention rows
+small batches in one call), and, on devices listed in ``GATHER_BUDGET_BYTES`` (the CPU), so that a call's
+gathered K/V fits that budget. Requests without an encoder and padding contribute nothing (cross-attention rows
 that see no key are zero).
 
 Opt-in on an NPU (``MOSSVL_NPU_PAGED_ATTENTION=1``, off by default until it has run on an Ascend card):
@@ -40,6 +41,11 @@ from mossvl_ascend.attention.primitives import attention_with_lse, npu_paged_att
 PADDING_LIMIT = 2.0
 # Devices where MOSSVL_NPU_PAGED_ATTENTION=1 switches decode to the gather-free paged call.
 PAGED_ATTENTION_DEVICES = ("npu",)
+
+# Padded K+V bytes one call may gather, per device type (absent: unbounded). On a CPU a call whose gathered K/V
+# outgrows the caches streams it through DRAM twice (written by the gather, read by the kernel), which costs
+# more than a few extra calls (benchmarks/bench_native_attention.py); accelerators gather at HBM speed.
+GATHER_BUDGET_BYTES = {"cpu": 32 << 20}
 
 # Calls below this padded area never split: one call is cheaper than saving a little padding.
 _PADDING_FLOOR = 1 << 16
@@ -99,7 +105,7 @@ def attention(
     """
     output = query.new_zeros(query.shape[0], query.shape[1], v_cache.shape[-1])
     paged = _paged_attention_enabled(query.device) and full_to_swa_mapping is None and not layer.logit_cap
-    for group in _groups(metadata, req_to_token, req_pool_indices, layer.is_cross_attention):
+    for group in _groups(metadata, req_to_token, req_pool_indices, layer.is_cross_attention, k_cache, v_cache):
         if paged and group.query_index.shape[1] == 1:
             _paged_group_attention(
                 query, output, k_cache, v_cache, req_to_token, req_pool_indices, group, layer, page_size
@@ -138,14 +144,17 @@ def _staircase_requests(metadata: ForwardAttentionMetadata) -> list[int]:
     ]
 
 
-def _groups(metadata, req_to_token, req_pool_indices, is_cross: bool) -> list[PaddedGroup]:
+def _groups(metadata, req_to_token, req_pool_indices, is_cross: bool, k_cache, v_cache) -> list[PaddedGroup]:
     """This forward's padded groups for one attention kind, built on the first layer of that kind and cached
     (every layer of a forward reads the same ``req_to_token`` rows)."""
-    build = functools.partial(_build_groups, metadata, req_to_token, req_pool_indices, is_cross)
+    budget = GATHER_BUDGET_BYTES.get(k_cache.device.type)
+    bytes_per_key = k_cache.stride(0) * k_cache.element_size() + v_cache.stride(0) * v_cache.element_size()
+    max_keys = None if budget is None else max(1, budget // bytes_per_key)
+    build = functools.partial(_build_groups, metadata, req_to_token, req_pool_indices, is_cross, max_keys)
     return metadata.cached(("groups", is_cross), build)
 
 
-def _build_groups(metadata, req_to_token, req_pool_indices, is_cross: bool) -> list[PaddedGroup]:
+def _build_groups(metadata, req_to_token, req_pool_indices, is_cross: bool, max_keys=None) -> list[PaddedGroup]:
     if is_cross:
         staircase = set(_staircase_requests(metadata))
         members = [
@@ -158,19 +167,21 @@ def _build_groups(metadata, req_to_token, req_pool_indices, is_cross: bool) -> l
         key_lens = metadata.seq_lens
     return [
         _padded_group(metadata, req_to_token, req_pool_indices, bucket, is_cross)
-        for bucket in _length_buckets(members, metadata.extend_lens, key_lens)
+        for bucket in _length_buckets(members, metadata.extend_lens, key_lens, max_keys)
     ]
 
 
-def _length_buckets(members: list[int], row_lens: list[int], key_lens: list[int]) -> list[list[int]]:
-    """Split requests (sorted by key length) so each call's padded area stays within ``PADDING_LIMIT``."""
+def _length_buckets(members: list[int], row_lens: list[int], key_lens: list[int], max_keys=None) -> list[list[int]]:
+    """Split requests (sorted by key length) so each call's padded area stays within ``PADDING_LIMIT`` and its
+    padded keys within ``max_keys`` (the device's gather budget; None: unbounded)."""
     buckets: list[list[int]] = []
     current: list[int] = []
     for i in sorted(members, key=lambda r: (key_lens[r], row_lens[r])):
         candidate = current + [i]
         padded = len(candidate) * max(row_lens[r] for r in candidate) * max(key_lens[r] for r in candidate)
         useful = sum(row_lens[r] * key_lens[r] for r in candidate)
-        if current and padded > max(_PADDING_FLOOR, PADDING_LIMIT * useful):
+        too_many_keys = max_keys is not None and len(candidate) * max(key_lens[r] for r in candidate) > max_keys
+        if current and (padded > max(_PADDING_FLOOR, PADDING_LIMIT * useful) or too_many_keys):
             buckets.append(current)
             candidate = [i]
         current = candidate
