@@ -51,8 +51,9 @@ MODEL ?= $(shell $(CPU_ENV) $(PY) -m moss_vl_reference.tiny_checkpoint 2>/dev/nu
 serve: setup ## foreground server on 127.0.0.1:$(PORT); override MODEL=, DEVICE=, PORT=, ARGS= (e.g. ARGS="--tp-size 2")
 	$(PY) -m serving.launch --model-path $(MODEL) --device $(DEVICE) --port $(PORT) $(ARGS)
 
-bench: setup ## cross-attention benchmark: dense packed mask vs per-row boundaries vs the FLOP floor (prints a table)
+bench: setup ## attention benchmarks: cross-attention (dense mask vs boundaries vs floor, per dtype), then batched core vs per-request loop
 	$(CPU_ENV) $(PY) benchmarks/bench_cross_attention.py
+	$(CPU_ENV) $(PY) benchmarks/bench_native_attention.py
 
 bench-serving: setup ## sglang bench_serving (c=1, c=8) vs the reference model one by one, bench preset on CPU (~15 min)
 	$(CPU_ENV) $(PY) -m benchmarks.bench_serving $(ARGS)

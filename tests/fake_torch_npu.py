@@ -2,9 +2,11 @@
 
 Importing ``sglang.srt.hardware_backend.npu.attention.ascend_backend`` needs ``torch_npu`` and
 ``sgl_kernel_npu.attention.sinks_attention``. This stand-in lets that real sglang module import
-on a CPU machine and implements, as pure-torch reference code, only the op the MOSS-VL paths
+on a CPU machine and implements, as pure-torch reference code, only the ops the MOSS-VL paths
 reach: the paged KV-cache write ``torch_npu._npu_reshape_and_cache`` used by
-``NPUMHATokenToKVPool.set_kv_buffer``. Every other ``torch_npu`` attribute raises
+``NPUMHATokenToKVPool.set_kv_buffer``, and ``torch_npu.npu_fused_infer_attention_score`` in the
+subset the attention core calls (documented semantics as read from the torch_npu API reference;
+see :func:`_npu_fused_infer_attention_score`). Every other ``torch_npu`` attribute raises
 NotImplementedError naming itself, so a test that strays onto a fused NPU kernel fails loudly
 instead of computing something plausible. No ``torch.npu`` namespace is installed: sglang's
 ``is_npu()`` must keep answering False on this machine.
@@ -38,6 +40,75 @@ def _npu_reshape_and_cache(*, key, value, key_cache, value_cache, slot_indices):
     value_cache.view(-1, *value_cache.shape[2:])[slots] = value.to(value_cache.dtype)
 
 
+def _npu_fused_infer_attention_score(
+    query,
+    key,
+    value,
+    *,
+    atten_mask=None,
+    actual_seq_lengths_kv=None,
+    block_table=None,
+    block_size=0,
+    num_heads=1,
+    num_key_value_heads=0,
+    scale=1.0,
+    input_layout="BSH",
+    softmax_lse_flag=False,
+    **unsupported,
+):
+    """STAND-IN for the documented FIA op, the subset the attention core uses (pure torch, fp32 math).
+
+    - ``input_layout="BNSD"`` only: query ``[B, N, S, D]``; key/value ``[B, N_kv, S_kv, D]``, or, with
+      ``block_table`` (int32 ``[B, max_blocks]``) and ``block_size``, a paged cache ``[num_blocks, block_size,
+      N_kv * D]`` read in place: batch b's key position j is row ``j % block_size`` of block
+      ``block_table[b, j // block_size]``.
+    - ``num_key_value_heads`` (0 = ``num_heads``): query head h reads KV head ``h // (num_heads / N_kv)``.
+    - ``actual_seq_lengths_kv``: per batch entry, keys at positions >= it are not attended.
+    - ``atten_mask``: bool/int8/uint8 broadcastable to ``[B, 1, S, S_kv]``, **1/True = masked out**.
+    - ``scale`` multiplies ``q k^T``.
+    - returns ``(out [B, N, S, D] in query's dtype, softmax_lse)``; ``softmax_lse`` is fp32 ``[B, N, S, 1]``
+      (log-sum-exp of the scaled, masked logits) when ``softmax_lse_flag`` else an empty tensor. The reference
+      does not say what a row with no attended key yields: the stand-in returns output 0 and lse +inf, a value
+      callers must not use.
+    Any other keyword raises NotImplementedError naming it.
+    """
+    if unsupported:
+        raise NotImplementedError(f"stand-in npu_fused_infer_attention_score: unsupported {sorted(unsupported)}")
+    if input_layout != "BNSD":
+        raise NotImplementedError(f"stand-in npu_fused_infer_attention_score: layout {input_layout}")
+    if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
+        raise ValueError("npu_fused_infer_attention_score does not take non-contiguous tensors")
+    batch, heads, rows, dim = query.shape
+    if heads != num_heads:
+        raise ValueError(f"num_heads {num_heads} but query has {heads} heads")
+    kv_heads = num_key_value_heads or num_heads
+    if block_table is not None:
+        positions = torch.arange(block_table.shape[1] * block_size)
+        blocks = block_table.long()[:, positions // block_size]  # [B, S_kv]
+        key = key[blocks, positions % block_size].view(batch, -1, kv_heads, dim).transpose(1, 2)
+        value = value[blocks, positions % block_size].view(batch, -1, kv_heads, value.shape[-1] // kv_heads)
+        value = value.transpose(1, 2)
+    if key.shape[1] != kv_heads:
+        raise ValueError(f"num_key_value_heads {kv_heads} but key has {key.shape[1]} heads")
+    group = heads // kv_heads
+    keys = key.shape[2]
+    logits = torch.einsum("bnsd,bnkd->bnsk", query.float(), key.float().repeat_interleave(group, 1)) * scale
+    attended = torch.ones(batch, 1, rows, keys, dtype=torch.bool)
+    if actual_seq_lengths_kv is not None:
+        lengths = torch.as_tensor(actual_seq_lengths_kv).reshape(batch, 1, 1, 1)
+        attended = attended & (torch.arange(keys).reshape(1, 1, 1, keys) < lengths)
+    if atten_mask is not None:
+        attended = attended & (atten_mask == 0)
+    logits = logits.masked_fill(~attended, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    blind = ~attended.any(dim=-1, keepdim=True)
+    probs = torch.exp(logits - lse.masked_fill(blind, 0.0))
+    out = torch.einsum("bnsk,bnkd->bnsd", probs, value.float().repeat_interleave(group, 1))
+    out = out.masked_fill(blind, 0.0).to(query.dtype)
+    lse = lse.masked_fill(blind.expand_as(lse), float("inf"))
+    return out, (lse if softmax_lse_flag else torch.empty(0))
+
+
 class _FakeTorchNpu(types.ModuleType):
     """Module whose unknown public attributes raise NotImplementedError naming themselves."""
 
@@ -62,6 +133,7 @@ def build_fake_modules() -> dict[str, types.ModuleType]:
     torch_npu = _FakeTorchNpu("torch_npu")
     torch_npu.__doc__ = "STAND-IN torch_npu (tests/fake_torch_npu.py)"
     torch_npu._npu_reshape_and_cache = _npu_reshape_and_cache
+    torch_npu.npu_fused_infer_attention_score = _npu_fused_infer_attention_score
 
     kernel = types.ModuleType("sgl_kernel_npu")
     attention = types.ModuleType("sgl_kernel_npu.attention")

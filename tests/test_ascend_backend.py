@@ -8,7 +8,7 @@ stand-in's pure-torch ``_npu_reshape_and_cache``), ``ReqToTokenPool``, ``RadixAt
 ``ForwardBatch``, ``ForwardMetadata``.
 Stand-ins: ``torch_npu`` / ``sgl_kernel_npu`` (every op but the KV write raises), and the backend
 object is built with ``object.__new__`` plus the attributes the methods read (its real
-constructor allocates NPU tensors). Oracle: the dense fp32 reference of test_native_attention.
+constructor allocates NPU tensors). Oracle: the dense fp32 reference of support.attention.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from fake_torch_npu import installed_fake_torch_npu
 from mossvl_ascend import ascend_backend as ascend_hooks
 from mossvl_ascend import native_attention
 from support.hooks import patches_applied
-from test_native_attention import (
+from support.attention import (
     ROUTE_HEADS,
     SCALE,
     build_batch,

@@ -5,7 +5,7 @@ the device and the two pools), its ``forward_extend`` / ``forward_decode`` wrapp
 through HookRegistry, ``AttentionBackend.forward`` dispatch, ``MHATokenToKVPool`` (the CPU
 server's KV pool), ``ReqToTokenPool``, ``RadixAttention``, ``ForwardBatch``. The checks are the
 same ones tests/test_ascend_backend.py runs on ``AscendAttnBackend``; oracle: the dense fp32
-reference of test_native_attention.
+reference of support.attention.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from mossvl_ascend import cpu_attention, native_attention
 from support.hooks import patches_applied
-from test_native_attention import (
+from support.attention import (
     ROUTE_HEADS,
     SCALE,
     build_batch,
@@ -32,6 +32,7 @@ from test_native_attention import (
     check_extend_cross_writes_new_encoder_and_applies_mask,
     check_extend_self_with_cached_prefix,
     cross_extend_of_one_request,
+    example_requests,
     load_batch_into_pools,
     make_forward_batch,
     make_layers,
@@ -85,18 +86,36 @@ def test_decode_self_writes_token_and_reads_text_window(route):
     check_decode_self_writes_token_and_reads_text_window(*route)
 
 
-def test_encoder_batches_reach_the_ascend_native_method(route, monkeypatch):
-    """The route calls AscendTorchNativeAttnBackend.run_sdpa_forward_extend (the NPU code path)."""
-    calls = []
-    native_extend = type(native_attention.ASCEND_NATIVE_MATH).run_sdpa_forward_extend
+def test_encoder_batches_reach_the_core_once_per_layer_without_the_stock_method(route, monkeypatch):
+    """The route calls the attention core directly (the code the Ascend hook runs), never the stock native
+    method, and builds the forward's metadata once for all its layers."""
+    from sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend import AscendTorchNativeAttnBackend
 
-    def recording(self, *args, **kwargs):
-        calls.append(kwargs["cross_attention_custom_mask"])
-        return native_extend(self, *args, **kwargs)
+    from mossvl_ascend.attention import sglang_layer
 
-    monkeypatch.setattr(type(native_attention.ASCEND_NATIVE_MATH), "run_sdpa_forward_extend", recording)
-    check_extend_cross_with_cached_encoders_writes_nothing(*route)
-    assert len(calls) == 1 and calls[0] is not None
+    def stock_must_not_run(*args, **kwargs):
+        raise AssertionError("the CPU route went through run_sdpa_forward_extend")
+
+    monkeypatch.setattr(AscendTorchNativeAttnBackend, "run_sdpa_forward_extend", stock_must_not_run)
+    metadata_seen = []
+    core_attention = sglang_layer.attention
+
+    def recording(*args, **kwargs):
+        metadata_seen.append(args[5])
+        return core_attention(*args, **kwargs)
+
+    monkeypatch.setattr(sglang_layer, "attention", recording)
+    backend, pool, req_to_token_pool = route
+    batch = build_batch(example_requests(), *ROUTE_HEADS)
+    load_batch_into_pools(batch, pool, req_to_token_pool)
+    forward_batch = make_forward_batch(
+        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
+    )
+    cross, self_attn = make_layers()
+    for layer in (cross, self_attn, cross):
+        backend.forward(batch.query.flatten(1), None, None, layer, forward_batch, save_kv_cache=False)
+    assert len(metadata_seen) == 3 and all(m is metadata_seen[0] for m in metadata_seen)
 
 
 def test_text_only_batches_keep_the_stock_torch_native_path(route):

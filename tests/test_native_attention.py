@@ -3,22 +3,10 @@
 Real: ``AscendTorchNativeAttnBackend`` and its hooked ``run_sdpa_forward_extend`` (applied through
 sglang's ``HookRegistry`` exactly as ``load_plugins`` does), stock ``run_sdpa_forward_decode``,
 stock ``MossVLForConditionalGeneration.prepare_forward_batch`` (the mask producer).
-Oracle: :func:`reference_attention`, explicit scores, explicit -inf mask and per-row softmax,
-written independently of the code under test. The test builds each request's visibility from
-its frame spans and per-token visible-frame counts; the packed uint8 mask handed to the backend
-is derived from that, so a polarity flip, a wrong row length (prefix counted in), a wrong
-running offset or wrong KV slots all change the output.
-
-This module also holds the batch builder and hook helper the other attention tests import.
+Oracle and builders: :mod:`support.attention` (dense reference, explicit per-row softmax).
 """
 
 from __future__ import annotations
-
-import contextlib
-import math
-import pkgutil
-from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,207 +15,22 @@ from sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend impor
     AscendTorchNativeAttnBackend,
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.plugins.hook_registry import HookRegistry
 
-from mossvl_ascend import native_attention
-from support.hooks import patches_applied
+from support.attention import (
+    SCALE,
+    Request,
+    build_batch,
+    causal_with_prefix,
+    decode_batch,
+    example_requests,
+    moss_vl_extend_batch,
+    patched_native,  # noqa: F401  (fixture)
+    reference_attention,
+    reference_cross_extend,
+    reference_self_extend,
+    run_native_extend,
+)
 
-HEAD_DIM = 8
-POOL_SLOTS = 400
-
-
-# ----------------------------------------------------------------------------- hooks
-
-
-@pytest.fixture(scope="module")
-def patched_native():
-    with patches_applied(*native_attention.PATCHES):
-        yield AscendTorchNativeAttnBackend()
-
-
-# ----------------------------------------------------------------------------- reference
-
-
-def reference_attention(q, k, v, visible, scale, logit_cap=0.0):
-    """Dense fp32 attention. q [Lq, H, D], k [S, Hkv, D], v [S, Hkv, Dv], visible bool [Lq, S].
-
-    Query head h reads kv head h // (H // Hkv). A row with no visible key outputs zeros.
-    """
-    q, k, v = q.float(), k.float(), v.float()
-    num_heads, group = q.shape[1], q.shape[1] // k.shape[1]
-    out = torch.zeros(q.shape[0], num_heads, v.shape[-1])
-    for h in range(num_heads):
-        scores = (q[:, h] @ k[:, h // group].T) * scale
-        if logit_cap > 0:
-            scores = logit_cap * torch.tanh(scores / logit_cap)
-        for row in range(q.shape[0]):
-            cols = visible[row].nonzero().flatten()
-            if cols.numel() == 0:
-                continue
-            weights = torch.softmax(scores[row, cols], dim=0)
-            out[row, h] = weights @ v[cols, h // group]
-    return out
-
-
-def frame_visibility(spans, visible_frame_counts):
-    """Bool [rows, sum(spans)]: a row that sees n frames sees the encoder prefix of n spans."""
-    encoder_len = sum(spans)
-    boundaries = [sum(spans[:count]) for count in visible_frame_counts]
-    return torch.arange(encoder_len)[None, :] < torch.tensor(boundaries, dtype=torch.long)[:, None]
-
-
-def causal_with_prefix(extend_len, prefix_len):
-    """Bool [extend_len, prefix_len + extend_len]: new token i sees text tokens 0..prefix_len+i."""
-    rows = torch.arange(prefix_len, prefix_len + extend_len)[:, None]
-    return torch.arange(prefix_len + extend_len)[None, :] <= rows
-
-
-# ----------------------------------------------------------------------------- batches
-
-
-@dataclass
-class Request:
-    """One MOSS-VL request: frame spans of its encoder tokens, text lengths, per-token frame counts."""
-
-    spans: list[int]
-    prefix_len: int
-    extend_len: int
-    visible_frame_counts: list[int] = field(default_factory=list)
-
-    @property
-    def encoder_len(self) -> int:
-        return sum(self.spans)
-
-    @property
-    def text_len(self) -> int:
-        return self.prefix_len + self.extend_len
-
-    def new_token_visibility(self):
-        counts = self.visible_frame_counts[self.prefix_len : self.text_len]
-        return frame_visibility(self.spans, counts)
-
-
-def example_requests():
-    """Encoder 0 / 2 frames / 3 frames / 1 frame; cached text prefixes 0 and > 0; rows seeing 0 frames."""
-    return [
-        Request(spans=[5, 5], prefix_len=0, extend_len=6, visible_frame_counts=[0, 1, 1, 2, 2, 2]),
-        Request(spans=[], prefix_len=2, extend_len=3),
-        Request(
-            spans=[4, 4, 4],
-            prefix_len=4,
-            extend_len=5,
-            visible_frame_counts=[0, 0, 1, 1, 1, 2, 2, 3, 3],
-        ),
-        Request(spans=[7], prefix_len=3, extend_len=2, visible_frame_counts=[0, 0, 0, 0, 1]),
-    ]
-
-
-@dataclass
-class Batch:
-    requests: list[Request]
-    num_heads: int
-    num_kv_heads: int
-    req_pool_indices: torch.Tensor
-    req_to_token: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    encoder_k: list[torch.Tensor]  # per request [encoder_len, Hkv, D]
-    encoder_v: list[torch.Tensor]
-    text_k: list[torch.Tensor]  # per request [text_len, Hkv, D]
-    text_v: list[torch.Tensor]
-    query: torch.Tensor  # [sum(extend_len), H, D]
-    slots: list[torch.Tensor]  # per request pool slots, encoder first then text
-
-    @property
-    def encoder_lens(self):
-        return torch.tensor([r.encoder_len for r in self.requests])
-
-    @property
-    def seq_lens(self):
-        return torch.tensor([r.text_len for r in self.requests])
-
-    @property
-    def extend_prefix_lens(self):
-        return torch.tensor([r.prefix_len for r in self.requests])
-
-    @property
-    def extend_seq_lens(self):
-        return torch.tensor([r.extend_len for r in self.requests])
-
-    def query_rows(self, req_idx):
-        start = sum(r.extend_len for r in self.requests[:req_idx])
-        return slice(start, start + self.requests[req_idx].extend_len)
-
-    def packed_mask(self):
-        """uint8, 1 = visible, per request [extend_len x encoder_len] row-major, batch order."""
-        parts = [
-            r.new_token_visibility().to(torch.uint8).flatten()
-            for r in self.requests
-            if r.encoder_len and r.extend_len
-        ]
-        return torch.cat(parts)
-
-
-def build_batch(requests, num_heads=4, num_kv_heads=2, seed=0) -> Batch:
-    """Random K/V at shuffled pool slots (the rest of the pool is noise), random queries."""
-    gen = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(POOL_SLOTS, num_kv_heads, HEAD_DIM, generator=gen)
-    v_cache = torch.randn(POOL_SLOTS, num_kv_heads, HEAD_DIM, generator=gen)
-    free_slots = (torch.randperm(POOL_SLOTS - 1, generator=gen) + 1).tolist()
-    req_pool_indices = torch.randperm(len(requests) + 2, generator=gen)[: len(requests)]
-    req_to_token = torch.zeros(len(requests) + 2, 64, dtype=torch.int32)
-    slots, encoder_k, encoder_v, text_k, text_v = [], [], [], [], []
-    for req, pool_idx in zip(requests, req_pool_indices.tolist()):
-        n = req.encoder_len + req.text_len
-        req_slots = torch.tensor([free_slots.pop() for _ in range(n)])
-        req_to_token[pool_idx, :n] = req_slots.int()
-        slots.append(req_slots)
-        encoder_k.append(k_cache[req_slots[: req.encoder_len]].clone())
-        encoder_v.append(v_cache[req_slots[: req.encoder_len]].clone())
-        text_k.append(k_cache[req_slots[req.encoder_len :]].clone())
-        text_v.append(v_cache[req_slots[req.encoder_len :]].clone())
-    total_new = sum(r.extend_len for r in requests)
-    query = torch.randn(total_new, num_heads, HEAD_DIM, generator=gen)
-    return Batch(
-        requests, num_heads, num_kv_heads, req_pool_indices, req_to_token, k_cache, v_cache,
-        encoder_k, encoder_v, text_k, text_v, query, slots,
-    )
-
-
-def reference_cross_extend(batch, scale, logit_cap=0.0):
-    out = torch.zeros_like(batch.query)
-    for i, req in enumerate(batch.requests):
-        if req.encoder_len == 0:
-            continue  # no vision input: cross-attention contributes zeros
-        out[batch.query_rows(i)] = reference_attention(
-            batch.query[batch.query_rows(i)], batch.encoder_k[i], batch.encoder_v[i],
-            req.new_token_visibility(), scale, logit_cap,
-        )
-    return out
-
-
-def reference_self_extend(batch, scale, logit_cap=0.0):
-    out = torch.zeros_like(batch.query)
-    for i, req in enumerate(batch.requests):
-        out[batch.query_rows(i)] = reference_attention(
-            batch.query[batch.query_rows(i)], batch.text_k[i], batch.text_v[i],
-            causal_with_prefix(req.extend_len, req.prefix_len), scale, logit_cap,
-        )
-    return out
-
-
-def run_native_extend(native, batch, *, cross, mask, scale, logit_cap=0.0):
-    output = torch.full_like(batch.query, float("nan"))
-    return native.run_sdpa_forward_extend(
-        batch.query, output, batch.k_cache, batch.v_cache, batch.req_to_token,
-        batch.req_pool_indices, batch.seq_lens, batch.extend_prefix_lens, batch.extend_seq_lens,
-        batch.encoder_lens, is_cross_attention=cross, scaling=scale,
-        enable_gqa=batch.num_heads != batch.num_kv_heads, causal=not cross,
-        logit_cap=logit_cap, cross_attention_custom_mask=mask,
-    )
-
-
-SCALE = HEAD_DIM**-0.5
 BATCH_SHAPES = {
     "1req": [0],
     "2req-enc0": [1, 2],
@@ -367,16 +170,6 @@ def test_batch_without_encoder_lens_runs_stock(patched_native):
 # ----------------------------------------------------------------------------- decode (stock)
 
 
-def decode_batch(heads=(4, 2), seed=1):
-    """Requests after prefill: one new token each, its KV already written (text_len includes it)."""
-    requests = [
-        Request(spans=[5, 5], prefix_len=6, extend_len=1),
-        Request(spans=[], prefix_len=4, extend_len=1),
-        Request(spans=[4, 4, 4], prefix_len=8, extend_len=1),
-    ]
-    return build_batch(requests, *heads, seed=seed)
-
-
 @pytest.mark.parametrize("logit_cap", [0.0, 1.5], ids=["plain", "softcap"])
 @pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
 def test_stock_decode_already_reads_the_right_windows(cross, logit_cap):
@@ -399,29 +192,6 @@ def test_stock_decode_already_reads_the_right_windows(cross, logit_cap):
 # ----------------------------------------------------------------------------- item 2: mask producer
 
 
-def _moss_vl_extend_batch(requests, grids, merge):
-    """Duck-typed ForwardBatch (stand-in) with the fields prepare_forward_batch reads."""
-    mm_inputs = [
-        SimpleNamespace(
-            visible_frame_counts=torch.tensor(req.visible_frame_counts),
-            mm_items=[SimpleNamespace(grid_thw=grid)],
-        )
-        if grid is not None
-        else None
-        for req, grid in zip(requests, grids)
-    ]
-    return SimpleNamespace(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=len(requests),
-        encoder_lens=torch.tensor([r.encoder_len for r in requests]),
-        encoder_lens_cpu=[r.encoder_len for r in requests],
-        extend_seq_lens_cpu=[r.extend_len for r in requests],
-        extend_prefix_lens_cpu=[r.prefix_len for r in requests],
-        seq_lens=torch.tensor([r.text_len for r in requests]),
-        mm_inputs=mm_inputs,
-    )
-
-
 def test_stock_mask_builder_feeds_the_native_backend(patched_native):
     """Item 2 regression: 0.5.23 builds the packed mask with no backend check; end to end to the reference.
 
@@ -438,7 +208,7 @@ def test_stock_mask_builder_feeds_the_native_backend(patched_native):
     ]
     model = object.__new__(MossVLForConditionalGeneration)
     model.spatial_merge_size = merge
-    forward_batch = _moss_vl_extend_batch(requests, grids, merge)
+    forward_batch = moss_vl_extend_batch(requests, grids, merge)
     model.prepare_forward_batch(forward_batch)
     mask = forward_batch.cross_attention_custom_mask
     assert mask is not None and mask.dtype == torch.uint8
@@ -450,191 +220,3 @@ def test_stock_mask_builder_feeds_the_native_backend(patched_native):
     forward_batch.forward_mode = ForwardMode.DECODE
     model.prepare_forward_batch(forward_batch)
     assert forward_batch.cross_attention_custom_mask is None
-
-
-# ----------------------------------------------------------------------------- layer routes
-# Shared by tests/test_ascend_backend.py and tests/test_cpu_attention_route.py: one attention
-# layer through a real backend's forward() (sglang's AttentionBackend.forward dispatch) over a
-# real KV pool and a real ReqToTokenPool, with a real ForwardBatch.
-
-CROSS_LAYER_ID, SELF_LAYER_ID = 0, 1
-ROUTE_HEADS = (4, 2)
-
-
-def make_layers(logit_cap=0.0):
-    from sglang.srt.layers.radix_attention import RadixAttention
-
-    num_heads, num_kv_heads = ROUTE_HEADS
-    cross = RadixAttention(
-        num_heads, HEAD_DIM, SCALE, num_kv_heads, layer_id=CROSS_LAYER_ID,
-        is_cross_attention=True, logit_cap=logit_cap,
-    )
-    self_attn = RadixAttention(
-        num_heads, HEAD_DIM, SCALE, num_kv_heads, layer_id=SELF_LAYER_ID, logit_cap=logit_cap
-    )
-    return cross, self_attn
-
-
-def make_req_to_token_pool():
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-    return ReqToTokenPool(size=8, max_context_len=64, device="cpu", enable_memory_saver=False)
-
-
-def pool_rows(pool, layer_id, slots):
-    """(K, V) ``[len(slots), Hkv, D]`` as stored in the pool (read straight from its buffers)."""
-    num_kv_heads = ROUTE_HEADS[1]
-    k = pool.get_key_buffer(layer_id).view(-1, num_kv_heads, HEAD_DIM)[slots]
-    v = pool.get_value_buffer(layer_id).view(-1, num_kv_heads, HEAD_DIM)[slots]
-    return k.clone(), v.clone()
-
-
-def load_batch_into_pools(batch, pool, req_to_token_pool, *, except_slots=()):
-    """Test set-up: every request's cached K/V into both layers, except slots this forward writes."""
-    num_kv_heads = ROUTE_HEADS[1]
-    rows = batch.req_to_token.shape[0]
-    req_to_token_pool.req_to_token[:rows, : batch.req_to_token.shape[1]] = batch.req_to_token
-    for layer_id in (CROSS_LAYER_ID, SELF_LAYER_ID):
-        k_buf = pool.get_key_buffer(layer_id).view(-1, num_kv_heads, HEAD_DIM)
-        v_buf = pool.get_value_buffer(layer_id).view(-1, num_kv_heads, HEAD_DIM)
-        k_buf[:POOL_SLOTS] = batch.k_cache
-        v_buf[:POOL_SLOTS] = batch.v_cache
-        for slots in except_slots:
-            k_buf[slots] = -100.0  # garbage the forward must overwrite before reading
-            v_buf[slots] = 100.0
-
-
-def make_forward_batch(batch, mode, *, out_cache_loc, encoder_out_cache_loc, mask=None):
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
-    forward_batch = ForwardBatch(
-        forward_mode=mode,
-        batch_size=len(batch.requests),
-        input_ids=torch.zeros(batch.query.shape[0], dtype=torch.long),
-        req_pool_indices=batch.req_pool_indices,
-        seq_lens=batch.seq_lens,
-        out_cache_loc=out_cache_loc,
-        seq_lens_sum=int(batch.seq_lens.sum()),
-    )
-    forward_batch.encoder_lens = batch.encoder_lens
-    forward_batch.encoder_lens_cpu = batch.encoder_lens.tolist()
-    forward_batch.encoder_out_cache_loc = encoder_out_cache_loc
-    forward_batch.extend_prefix_lens = batch.extend_prefix_lens
-    forward_batch.extend_seq_lens = batch.extend_seq_lens
-    forward_batch.extend_prefix_lens_cpu = batch.extend_prefix_lens.tolist()
-    forward_batch.extend_seq_lens_cpu = batch.extend_seq_lens.tolist()
-    forward_batch.cross_attention_custom_mask = mask
-    return forward_batch
-
-
-def new_text_slots(batch):
-    return torch.cat([s[r.encoder_len + r.prefix_len :] for r, s in zip(batch.requests, batch.slots)])
-
-
-def check_extend_cross_writes_new_encoder_and_applies_mask(backend, pool, req_to_token_pool, logit_cap):
-    """Request 0's encoder is computed in this pass (k/v given); 2 and 3 are cached; 1 has none."""
-    batch = build_batch(example_requests(), *ROUTE_HEADS)
-    fresh = batch.slots[0][: batch.requests[0].encoder_len]
-    load_batch_into_pools(batch, pool, req_to_token_pool, except_slots=[fresh])
-    others_before = pool_rows(pool, CROSS_LAYER_ID, batch.slots[2])
-    cross, _ = make_layers(logit_cap)
-    forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
-        encoder_out_cache_loc=fresh, mask=batch.packed_mask(),
-    )
-    out = backend.forward(
-        batch.query.flatten(1), batch.encoder_k[0], batch.encoder_v[0], cross, forward_batch
-    )
-    expected = reference_cross_extend(batch, SCALE, logit_cap)
-    torch.testing.assert_close(out.view_as(expected), expected, atol=1e-5, rtol=1e-5)
-    written_k, written_v = pool_rows(pool, CROSS_LAYER_ID, fresh)
-    assert torch.equal(written_k, batch.encoder_k[0]) and torch.equal(written_v, batch.encoder_v[0])
-    for before, after in zip(others_before, pool_rows(pool, CROSS_LAYER_ID, batch.slots[2])):
-        assert torch.equal(before, after)
-
-
-def check_extend_cross_with_cached_encoders_writes_nothing(backend, pool, req_to_token_pool):
-    """k = v = None (every encoder cached): no KV write, cached encoder K/V read, mask applied."""
-    batch = build_batch([example_requests()[i] for i in (2, 1, 3)], *ROUTE_HEADS)
-    load_batch_into_pools(batch, pool, req_to_token_pool)
-    k_before = pool.get_key_buffer(CROSS_LAYER_ID).clone()
-    cross, _ = make_layers()
-    forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
-        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
-    )
-    out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch)
-    expected = reference_cross_extend(batch, SCALE)
-    torch.testing.assert_close(out.view_as(expected), expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(pool.get_key_buffer(CROSS_LAYER_ID), k_before)
-
-
-def check_extend_self_with_cached_prefix(backend, pool, req_to_token_pool, logit_cap):
-    """New text K/V written at out_cache_loc; keys over the cached prefix plus the new tokens."""
-    batch = build_batch(example_requests(), *ROUTE_HEADS)
-    new_slots = new_text_slots(batch)
-    load_batch_into_pools(batch, pool, req_to_token_pool, except_slots=[new_slots])
-    _, self_attn = make_layers(logit_cap)
-    new_k = torch.cat([k[r.prefix_len :] for r, k in zip(batch.requests, batch.text_k)])
-    new_v = torch.cat([v[r.prefix_len :] for r, v in zip(batch.requests, batch.text_v)])
-    forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_slots,
-        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
-    )
-    out = backend.forward(batch.query.flatten(1), new_k, new_v, self_attn, forward_batch)
-    expected = reference_self_extend(batch, SCALE, logit_cap)
-    torch.testing.assert_close(out.view_as(expected), expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(pool_rows(pool, SELF_LAYER_ID, new_slots)[0], new_k)
-
-
-def check_decode_cross_reads_cached_encoder_and_sees_all_frames(backend, pool, req_to_token_pool, logit_cap):
-    batch = decode_batch(ROUTE_HEADS)
-    load_batch_into_pools(batch, pool, req_to_token_pool)
-    k_before = pool.get_key_buffer(CROSS_LAYER_ID).clone()
-    cross, _ = make_layers(logit_cap)
-    forward_batch = make_forward_batch(
-        batch, ForwardMode.DECODE, out_cache_loc=new_text_slots(batch),
-        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long),
-    )
-    out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch).view_as(batch.query)
-    for i, req in enumerate(batch.requests):
-        all_frames = torch.ones(1, req.encoder_len, dtype=torch.bool)
-        expected = reference_attention(
-            batch.query[i : i + 1], batch.encoder_k[i], batch.encoder_v[i], all_frames, SCALE, logit_cap
-        )
-        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(pool.get_key_buffer(CROSS_LAYER_ID), k_before)
-
-
-def check_decode_self_writes_token_and_reads_text_window(backend, pool, req_to_token_pool):
-    batch = decode_batch(ROUTE_HEADS)
-    new_slots = new_text_slots(batch)
-    load_batch_into_pools(batch, pool, req_to_token_pool, except_slots=[new_slots])
-    _, self_attn = make_layers()
-    forward_batch = make_forward_batch(
-        batch, ForwardMode.DECODE, out_cache_loc=new_slots,
-        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long),
-    )
-    new_k = torch.stack([k[-1] for k in batch.text_k])
-    new_v = torch.stack([v[-1] for v in batch.text_v])
-    out = backend.forward(batch.query.flatten(1), new_k, new_v, self_attn, forward_batch).view_as(batch.query)
-    for i, req in enumerate(batch.requests):
-        all_text = torch.ones(1, req.text_len, dtype=torch.bool)
-        expected = reference_attention(batch.query[i : i + 1], batch.text_k[i], batch.text_v[i], all_text, SCALE)
-        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
-
-
-def cross_extend_of_one_request(backend, pool, req_to_token_pool):
-    """Example request 0 (frame-causal mask, nothing cached but its encoder) through a cross layer.
-
-    Returns (output ``[extend_len, H, D]``, batch).
-    """
-    batch = build_batch([example_requests()[0]], *ROUTE_HEADS)
-    load_batch_into_pools(batch, pool, req_to_token_pool)
-    forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
-        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
-    )
-    cross, _ = make_layers()
-    out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch)
-    return out.view_as(batch.query), batch

@@ -1,4 +1,4 @@
-"""MOSS-VL batches in the Ascend attention backend go to the encoder-aware native math.
+"""MOSS-VL batches in the Ascend attention backend go to the encoder-aware attention core.
 
 Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.native_attention import encoder_decoder_attention
+from mossvl_ascend.attention.sglang_layer import encoder_decoder_attention
 from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
 
 ASCEND_BACKEND_MODULE = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
@@ -28,7 +28,6 @@ def _encoder_decoder_forward(
     if not _takes_encoder_decoder_route(backend, forward_batch):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     return encoder_decoder_attention(
-        backend.native_attn,
         backend.token_to_kv_pool,
         backend.req_to_token_pool,
         q,
@@ -43,7 +42,7 @@ def _encoder_decoder_forward(
 
 PATCHES = tuple(
     Patch(
-        title=f"Ascend backend: MOSS-VL {mode} through the encoder-aware native math",
+        title=f"Ascend backend: MOSS-VL {mode} through the attention core",
         target=f"{ASCEND_BACKEND_MODULE}.AscendAttnBackend.forward_{mode}",
         kind=HookType.AROUND,
         hook=_encoder_decoder_forward,
@@ -58,10 +57,10 @@ PATCHES = tuple(
         ),
         how=(
             "a batch with `forward_batch.encoder_lens` on a non-MLA model in eager mode runs "
-            "`native_attention.encoder_decoder_attention`: KV write through the pool's `set_kv_buffer` (encoder "
-            "slots for cross-attention layers, nothing when k/v are None), then the encoder-aware extend math with "
-            "the batch's visibility (decode runs as a one-token extend: every decode token sees all frames). Other "
-            "batches, MLA models and graph replay go to the stock method (graph decode is off for MOSS-VL)."
+            "`attention.sglang_layer.encoder_decoder_attention`: KV write through the pool's `set_kv_buffer` "
+            "(encoder slots for cross-attention layers, nothing when k/v are None), then the batched attention core "
+            "with this forward's metadata (decode: every token sees all frames). Other batches, MLA models and "
+            "graph replay go to the stock method (graph decode is off for MOSS-VL)."
         ),
         upstream="not upstream in 0.5.23",
         remove_when="`forward_extend` passes MOSS-VL's visibility and encoder batches cannot reach the FIA/FA branches",

@@ -1,4 +1,4 @@
-"""CPU serving of MOSS-VL: torch_native attention runs the same (patched) Ascend native math.
+"""CPU serving of MOSS-VL: torch_native attention runs the same attention core as the Ascend backend.
 
 Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 """
@@ -7,22 +7,17 @@ from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.native_attention import ASCEND_NATIVE_MATH, encoder_decoder_attention
+from mossvl_ascend.attention.sglang_layer import encoder_decoder_attention
 from mossvl_ascend.registry import CPU, Patch
 
-TORCH_NATIVE_CLASS = (
-    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
-)
+TORCH_NATIVE_CLASS = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 
 
-def _through_ascend_native(
-    original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs
-):
+def _through_attention_core(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
     """AROUND hook shared by forward_extend and forward_decode (the batch's mode picks the math)."""
     if forward_batch.encoder_lens is None:
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     return encoder_decoder_attention(
-        ASCEND_NATIVE_MATH,
         backend.token_to_kv_pool,
         backend.req_to_token_pool,
         q,
@@ -35,26 +30,24 @@ def _through_ascend_native(
     )
 
 
-_WHY = (
-    "CPU serving of MOSS-VL is a feature: engineers without an Ascend card run the model (and this project's "
-    "end-to-end tests run the NPU attention code) on `--device cpu`, which resolves to `torch_native`. Stock "
-    "`TorchNativeAttnBackend` has the right windows but no cross-attention visibility at all (every text row "
-    "would see every frame), and it is different code from what runs on the NPU."
-)
-_HOW = (
-    "a batch with `forward_batch.encoder_lens` is handed to `native_attention.encoder_decoder_attention` with one "
-    "stateless `AscendTorchNativeAttnBackend` instance: the same KV write, visibility and per-request math the "
-    "Ascend backend hook runs (only the KV pool class differs). Every other batch goes to the stock method."
-)
 PATCHES = tuple(
     Patch(
-        title=f"CPU serving: MOSS-VL {mode} through the Ascend native math",
+        title=f"CPU serving: MOSS-VL {mode} through the attention core",
         target=f"{TORCH_NATIVE_CLASS}.forward_{mode}",
         kind=HookType.AROUND,
-        hook=_through_ascend_native,
+        hook=_through_attention_core,
         platforms=frozenset({CPU}),
-        why=_WHY,
-        how=_HOW,
+        why=(
+            "CPU serving of MOSS-VL is a feature: engineers without an Ascend card run the model on `--device cpu` "
+            "(which resolves to `torch_native`), and this project's end-to-end tests run the NPU attention code "
+            "that way. Stock `TorchNativeAttnBackend` has the right windows but no cross-attention visibility at "
+            "all (every text row would see every frame), and it is different code from what runs on the NPU."
+        ),
+        how=(
+            "a batch with `forward_batch.encoder_lens` is handed to `attention.sglang_layer.encoder_decoder_attention`: "
+            "the same KV write, metadata and batched core the Ascend backend hook runs; only the KV pool class and "
+            "the device primitive differ. Every other batch goes to the stock method."
+        ),
         upstream="not an upstream bug: stock has no MOSS-VL CPU path",
         remove_when="sglang's torch_native backend applies MOSS-VL's frame-causal visibility itself",
     )

@@ -1,1 +1,1 @@
-"""Shared test builders, oracles and fixtures (imported by test modules; no test module imports another)."""
+"""Shared test builders and oracles (imported by test modules; no test module imports another)."""

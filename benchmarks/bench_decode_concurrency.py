@@ -1,0 +1,77 @@
+"""Served time per output token: one request alone vs N requests decoding together (issue 11), tiny checkpoint.
+
+One server (fp32, CPU, the plugin's batched attention core); every request is a greedy streamed chat completion
+with one image and EOS ignored. Time per output token (TPOT) of a request = (time of its last streamed chunk -
+time of its first) / (chunks - 1), so prefill is excluded. ``alone``: requests one after another; ``together``:
+N requests started at once (they decode in one batch). Several rounds, alternating, medians reported.
+Target: together / alone <= 1.3 at N = 16 (host work per decode step must not grow with the batch).
+
+Run (CPU): SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=sglang:cpu_shim .venv/bin/python -m benchmarks.bench_decode_concurrency
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from openai import OpenAI
+
+from serving.launch import SglangServer
+from tests.serving_support import ASSETS, data_url
+
+
+def messages() -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(ASSETS / "square_64.png")}},
+        {"type": "text", "text": "Describe this picture in detail."},
+    ]}]
+
+
+def streamed_tpot(client: OpenAI, model: str, max_tokens: int) -> float:
+    """Seconds per output token after the first, of one streamed greedy completion."""
+    stamps = []
+    stream = client.chat.completions.create(
+        model=model, messages=messages(), max_tokens=max_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+    if len(stamps) < 2:
+        raise RuntimeError(f"only {len(stamps)} streamed chunks")
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    from moss_vl_reference.tiny_checkpoint import build_or_reuse
+
+    checkpoint = build_or_reuse("tiny")
+    with SglangServer(checkpoint, extra_args=["--dtype", "float32"], name="bench-decode-concurrency") as server:
+        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", timeout=600)
+        model = client.models.list().data[0].id
+        streamed_tpot(client, model, 8)  # warm-up
+        alone, together = [], []
+        for _ in range(args.rounds):
+            alone.extend(streamed_tpot(client, model, args.max_tokens) for _ in range(2))
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                requests = [args.max_tokens] * args.concurrency
+                together.extend(pool.map(lambda tokens: streamed_tpot(client, model, tokens), requests))
+    alone_ms, together_ms = statistics.median(alone) * 1e3, statistics.median(together) * 1e3
+    load = os.getloadavg()[0]
+    print(f"tiny checkpoint, fp32, {args.max_tokens} tokens, {args.rounds} rounds, load average {load:.1f}")
+    print(f"{'requests':>8} {'median TPOT ms':>14} {'min':>7} {'max':>7}")
+    print(f"{1:>8} {alone_ms:>14.2f} {min(alone) * 1e3:>7.2f} {max(alone) * 1e3:>7.2f}")
+    print(f"{args.concurrency:>8} {together_ms:>14.2f} {min(together) * 1e3:>7.2f} {max(together) * 1e3:>7.2f}")
+    print(f"RESULT tpot_ratio_c{args.concurrency}_over_c1={together_ms / alone_ms:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Batched MOSS-VL attention core vs the per-request loop it replaces (issue 11): one layer call, CPU.
+
+Every request has an encoder (one image) in front of a text context drawn from a range, in a shuffled KV pool.
+Presets: ``issue`` (default; 8 query / 2 KV heads, head_dim 128, encoder 1024, text 512-4096) and ``tiny`` (the
+tiny checkpoint's attention: 4 / 2 heads, head_dim 32, encoder 17, text 64-256, where host work dominates).
+Modes:
+  decode: one new row per request (self-attention over its text, cross-attention over its encoder);
+  extend: ``extend_rows`` new rows per request after its cached text (cross rows see the whole image).
+Methods, side by side on the same tensors and metadata: ``loop`` = ``core.per_request_attention`` (one call per
+request, what the native path did), ``batched`` = ``core.attention`` (padded slot tables built once per forward,
+then a few calls per layer). Columns: ms per layer call (best of --reps, methods interleaved), speedup (median
+over reps of loop time / batched time measured back to back: robust to load drifting between reps), aten ops per call
+(counted with a TorchDispatchMode), peak extra memory (largest sum of live op outputs during one call, MiB).
+The batched form bounds each call's gathered K/V by ``core.GATHER_BUDGET_BYTES`` (CPU: 32 MiB), so on the CPU
+the ``issue`` preset splits large batches into several calls; ``--no-gather-budget`` measures it unbounded.
+
+Run (CPU): SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=sglang:cpu_shim .venv/bin/python benchmarks/bench_native_attention.py
+The last line is ``RESULT decode_ops_b64_over_b1=... decode_speedup_b64=... extend_speedup_b8=...`` (fp32, self-
+attention; targets: <= 1.5, >= 8, >= 2).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_cross_attention.py
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import weakref  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from dataclasses import dataclass  # noqa: E402
+
+from mossvl_ascend.attention import core  # noqa: E402
+from mossvl_ascend.attention.core import AttentionLayer, attention, per_request_attention  # noqa: E402
+from mossvl_ascend.attention.metadata import ForwardAttentionMetadata  # noqa: E402
+
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    encoder_len: int
+    context_range: tuple[int, int]
+    extend_rows: int
+
+
+PRESETS = {"issue": Shape(8, 2, 128, 1024, (512, 4096), 32), "tiny": Shape(4, 2, 32, 17, (64, 256), 32)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops and tracks the bytes of live op outputs (peak), during one call."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.live = 0
+        self.peak = 0
+        self._storages = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor)
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        if tensor._is_view():  # a view allocates nothing (and its storage may be the whole KV pool)
+            return
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in self._storages or tensor.untyped_storage().nbytes() == 0:
+            return
+        size = tensor.untyped_storage().nbytes()
+        self._storages.add(pointer)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._release, pointer, size)
+
+    def _release(self, pointer: int, size: int) -> None:
+        self._storages.discard(pointer)
+        self.live -= size
+
+
+def make_batch(shape: Shape, batch: int, mode: str, dtype: torch.dtype, seed: int):
+    """Pool, req_to_token, query and metadata for ``batch`` requests (text contexts in the shape's range)."""
+    gen = torch.Generator().manual_seed(seed)
+    contexts = torch.randint(shape.context_range[0], shape.context_range[1] + 1, (batch,), generator=gen).tolist()
+    rows = [1 if mode == "decode" else shape.extend_rows for _ in contexts]
+    encoder = shape.encoder_len
+    total = sum(encoder + c for c in contexts)
+    k_cache = torch.randn(total + 1, shape.num_kv_heads, shape.head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(total + 1, shape.num_kv_heads, shape.head_dim, generator=gen).to(dtype)
+    slots = (torch.randperm(total, generator=gen) + 1).int()
+    req_to_token = torch.zeros(batch, encoder + max(contexts), dtype=torch.int32)
+    start = 0
+    for i, context in enumerate(contexts):
+        req_to_token[i, : encoder + context] = slots[start : start + encoder + context]
+        start += encoder + context
+    query = torch.randn(sum(rows), shape.num_heads, shape.head_dim, generator=gen).to(dtype)
+    metadata = ForwardAttentionMetadata.build(rows, [c - r for c, r in zip(contexts, rows)], [encoder] * batch)
+    return (query, k_cache, v_cache, req_to_token, torch.randperm(batch, generator=gen)), metadata, contexts
+
+
+def time_call(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(shape: Shape, mode: str, batch: int, dtype_name: str, kind: str, reps: int) -> dict:
+    tensors, metadata, contexts = make_batch(shape, batch, mode, DTYPES[dtype_name], seed=batch)
+    query, k_cache, v_cache, req_to_token, pool_rows = tensors
+    req_to_token = req_to_token[torch.argsort(pool_rows)]  # request i lives in pool row pool_rows[i]
+    layer = AttentionLayer(kind == "cross", shape.head_dim**-0.5, kind == "self")
+    args = (query, k_cache, v_cache, req_to_token, pool_rows, metadata, layer)
+    methods = {"loop": lambda: per_request_attention(*args), "batched": lambda: attention(*args)}
+    outputs = {name: fn() for name, fn in methods.items()}  # also builds the forward's cached slot tables
+    error = float((outputs["loop"].float() - outputs["batched"].float()).abs().max())
+    best = dict.fromkeys(methods, float("inf"))
+    ratios = []
+    for _ in range(reps):
+        times = {name: time_call(fn) for name, fn in methods.items()}
+        ratios.append(times["loop"] / times["batched"])
+        best = {name: min(best[name], times[name]) for name in methods}
+    counts = {}
+    for name, fn in methods.items():
+        with OpCounter() as counter:
+            fn()
+        counts[name] = counter
+    return dict(
+        mode=mode, kind=kind, dtype=dtype_name, batch=batch, context=f"{min(contexts)}-{max(contexts)}",
+        loop_ms=best["loop"] * 1e3, batched_ms=best["batched"] * 1e3, speedup=statistics.median(ratios),
+        loop_ops=counts["loop"].ops, batched_ops=counts["batched"].ops,
+        loop_mib=counts["loop"].peak / 2**20, batched_mib=counts["batched"].peak / 2**20, diff=error,
+    )
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"{'mode':>6} {'kind':>5} {'dtype':>5} {'batch':>5} {'context':>9} {'loop ms':>8} {'batched ms':>10} "
+        f"{'speedup':>7} {'loop ops':>8} {'batch ops':>9} {'loop MiB':>8} {'batch MiB':>9} {'max|diff|':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['mode']:>6} {r['kind']:>5} {r['dtype']:>5} {r['batch']:>5} {r['context']:>9} {r['loop_ms']:>8.2f} "
+            f"{r['batched_ms']:>10.2f} {r['speedup']:>7.2f} {r['loop_ops']:>8} "
+            f"{r['batched_ops']:>9} {r['loop_mib']:>8.1f} {r['batched_mib']:>9.1f} {r['diff']:>9.1e}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--modes", nargs="+", default=["decode", "extend"], choices=["decode", "extend"])
+    parser.add_argument("--kinds", nargs="+", default=["self", "cross"], choices=["self", "cross"])
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--preset", default="issue", choices=list(PRESETS))
+    parser.add_argument("--no-gather-budget", action="store_true", help="one call per length bucket on the CPU too")
+    args = parser.parse_args()
+    if args.no_gather_budget:
+        core.GATHER_BUDGET_BYTES.clear()
+    shape = PRESETS[args.preset]
+    print(
+        f"preset {args.preset}: {shape.num_heads} query heads / {shape.num_kv_heads} KV heads, head_dim "
+        f"{shape.head_dim}, encoder {shape.encoder_len}, text context {shape.context_range[0]}-"
+        f"{shape.context_range[1]}, extend {shape.extend_rows} rows, gather budget {core.GATHER_BUDGET_BYTES}; "
+        f"torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, best of {args.reps}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    rows = [
+        measure(shape, mode, batch, dtype, kind, args.reps)
+        for dtype in args.dtypes
+        for mode in args.modes
+        for kind in args.kinds
+        for batch in args.batch
+    ]
+    print_table(rows)
+
+    def cell(mode, batch):
+        wanted = (mode, "self", "fp32", batch)
+        return next((r for r in rows if (r["mode"], r["kind"], r["dtype"], r["batch"]) == wanted), None)
+
+    d1, d64, e8 = cell("decode", 1), cell("decode", 64), cell("extend", 8)
+    if d1 and d64 and e8:
+        print(
+            f"RESULT decode_ops_b64_over_b1={d64['batched_ops'] / d1['batched_ops']:.2f} "
+            f"decode_speedup_b64={d64['speedup']:.2f} "
+            f"extend_speedup_b8={e8['speedup']:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""MOSS-VL attention of a whole batch, self and cross, extend and decode (batch layer).
+
+All requests of a batch go through a few calls of the device primitive per layer, whatever the batch size:
+
+- self-attention: one call over all requests, queries padded to the longest new-row count, keys gathered from
+  the KV pool through a padded slot table (each request's text slots behind its encoder), a mask that is causal
+  with each request's cached prefix and cuts every request at its own length;
+- cross-attention: requests whose visibility is one rectangle or one small staircase (decode, an image, a short
+  prompt) go together through one masked call over their encoder slots; a request with a long staircase (a video
+  with many text rows, several images) is computed by its block plan (:mod:`mossvl_ascend.attention.blocks`),
+  whose cost is arithmetic, not per-call overhead.
+
+Padding is bounded: requests are sorted by key length and split into a few buckets so that the padded
+``rows x keys`` area of a call stays within ``PADDING_LIMIT`` times the useful area (plus a floor that keeps
+small batches in one call), and, on devices listed in ``GATHER_BUDGET_BYTES`` (the CPU), so that a call's
+gathered K/V fits that budget. Requests without an encoder and padding contribute nothing (cross-attention rows
+that see no key are zero).
+
+Opt-in on an NPU (``MOSSVL_NPU_PAGED_ATTENTION=1``, off by default until it has run on an Ascend card):
+one-row groups (decode) read K/V in place from the paged pool through a block table and per-request KV
+lengths (``torch_npu.npu_fused_infer_attention_score``), no gather. Checked on CPU only, against the
+STAND-IN of that op in ``tests/fake_torch_npu.py``.
+
+Tensors: query/output ``[num_tokens, num_heads, head_dim]`` packed in batch order; ``k_cache``/``v_cache``
+``[pool_slots, num_kv_heads, head_dim]``; ``req_to_token`` ``[pool_rows, max_context]`` int.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mossvl_ascend.attention.blocks import LEAF_ROWS, frame_causal_cross_attention
+from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
+from mossvl_ascend.attention.primitives import attention_with_lse, npu_paged_attention_with_lse
+
+# A call's padded rows x keys may exceed its useful rows x keys by this factor before the batch is split.
+PADDING_LIMIT = 2.0
+# Devices where MOSSVL_NPU_PAGED_ATTENTION=1 switches decode to the gather-free paged call.
+PAGED_ATTENTION_DEVICES = ("npu",)
+
+# Padded K+V bytes one call may gather, per device type (absent: unbounded). On a CPU a call whose gathered K/V
+# outgrows the caches streams it through DRAM twice (written by the gather, read by the kernel), which costs
+# more than a few extra calls (benchmarks/bench_native_attention.py); accelerators gather at HBM speed.
+GATHER_BUDGET_BYTES = {"cpu": 32 << 20}
+
+# Calls below this padded area never split: one call is cheaper than saving a little padding.
+_PADDING_FLOOR = 1 << 16
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """The per-layer constants the math needs (read from sglang's RadixAttention by the adapters)."""
+
+    is_cross_attention: bool
+    scale: float
+    causal: bool
+    logit_cap: float = 0.0
+
+
+@dataclass(frozen=True)
+class PaddedGroup:
+    """Requests computed in one call, in padded form (padding rows and keys read slot / row 0, then discarded).
+
+    ``slots`` ``[B, max_keys]`` KV-pool slots of each request's keys, which start at ``key_starts`` ``[B]`` in its
+    slots (self-attention: behind the encoder) and number ``key_lens`` ``[B]``; ``query_index`` ``[B, max_rows]``
+    packed row of each new row, ``row_lens`` ``[B]``; ``prefix_lens`` ``[B]`` cached text (the causal offset);
+    ``boundaries`` ``[B, max_rows]`` (cross-attention). ``visible`` ``[B, 1, rows, keys]`` (True = attend: below
+    the boundary for cross-attention, causal with the cached prefix and within the length for self-attention) is
+    None when every row sees every key (decode over equal lengths, decided on the host); ``output_rows`` /
+    ``padded_rows`` map the real rows between the packed and the padded layout.
+    """
+
+    requests: tuple[int, ...]
+    slots: torch.Tensor
+    key_lens: torch.Tensor
+    key_starts: torch.Tensor
+    query_index: torch.Tensor
+    row_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    boundaries: torch.Tensor | None
+    visible: torch.Tensor | None
+    output_rows: torch.Tensor
+    padded_rows: torch.Tensor
+
+
+def attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    metadata: ForwardAttentionMetadata,
+    layer: AttentionLayer,
+    *,
+    full_to_swa_mapping: torch.Tensor | None = None,
+    page_size: int = 1,
+) -> torch.Tensor:
+    """One layer's attention for every request of the batch; returns ``[num_tokens, num_heads, v_head_dim]``.
+
+    ``page_size`` (the KV pool's) is read only by the opt-in paged decode.
+    """
+    output = query.new_zeros(query.shape[0], query.shape[1], v_cache.shape[-1])
+    paged = _paged_attention_enabled(query.device) and full_to_swa_mapping is None and not layer.logit_cap
+    for group in _groups(metadata, req_to_token, req_pool_indices, layer.is_cross_attention, k_cache, v_cache):
+        if paged and group.query_index.shape[1] == 1:
+            _paged_group_attention(
+                query, output, k_cache, v_cache, req_to_token, req_pool_indices, group, layer, page_size
+            )
+        else:
+            _group_attention(query, output, k_cache, v_cache, group, layer, full_to_swa_mapping)
+    if layer.is_cross_attention:
+        for index in _staircase_requests(metadata):
+            _staircase_attention(
+                query, output, k_cache, v_cache, req_to_token, req_pool_indices, metadata, index, layer,
+                full_to_swa_mapping,
+            )
+    return output
+
+
+def per_request_attention(query, k_cache, v_cache, req_to_token, req_pool_indices, metadata, layer, **kwargs):
+    """The same attention one request at a time (the loop the batched form replaces; kept for the benchmark)."""
+    output = query.new_zeros(query.shape[0], query.shape[1], v_cache.shape[-1])
+    start = 0
+    for index in range(metadata.batch_size):
+        rows = slice(start, start + metadata.extend_lens[index])
+        output[rows] = attention(
+            query[rows], k_cache, v_cache, req_to_token, req_pool_indices[index : index + 1],
+            metadata.request(index), layer, **kwargs,
+        )
+        start = rows.stop
+    return output
+
+
+def _staircase_requests(metadata: ForwardAttentionMetadata) -> list[int]:
+    """Cross-attention requests computed by their block plan: more than one block and more than a leaf of rows."""
+    return [
+        i
+        for i, plan in enumerate(metadata.plans)
+        if plan is not None and len(plan.blocks) > 1 and metadata.extend_lens[i] > LEAF_ROWS
+    ]
+
+
+def _groups(metadata, req_to_token, req_pool_indices, is_cross: bool, k_cache, v_cache) -> list[PaddedGroup]:
+    """This forward's padded groups for one attention kind, built on the first layer of that kind and cached
+    (every layer of a forward reads the same ``req_to_token`` rows)."""
+    budget = GATHER_BUDGET_BYTES.get(k_cache.device.type)
+    bytes_per_key = k_cache.stride(0) * k_cache.element_size() + v_cache.stride(0) * v_cache.element_size()
+    max_keys = None if budget is None else max(1, budget // bytes_per_key)
+    build = functools.partial(_build_groups, metadata, req_to_token, req_pool_indices, is_cross, max_keys)
+    return metadata.cached(("groups", is_cross), build)
+
+
+def _build_groups(metadata, req_to_token, req_pool_indices, is_cross: bool, max_keys=None) -> list[PaddedGroup]:
+    if is_cross:
+        staircase = set(_staircase_requests(metadata))
+        members = [
+            i for i in range(metadata.batch_size)
+            if metadata.encoder_lens[i] and metadata.extend_lens[i] and i not in staircase
+        ]
+        key_lens = metadata.encoder_lens
+    else:
+        members = [i for i in range(metadata.batch_size) if metadata.extend_lens[i]]
+        key_lens = metadata.seq_lens
+    return [
+        _padded_group(metadata, req_to_token, req_pool_indices, bucket, is_cross)
+        for bucket in _length_buckets(members, metadata.extend_lens, key_lens, max_keys)
+    ]
+
+
+def _length_buckets(members: list[int], row_lens: list[int], key_lens: list[int], max_keys=None) -> list[list[int]]:
+    """Split requests (sorted by key length) so each call's padded area stays within ``PADDING_LIMIT`` and its
+    padded keys within ``max_keys`` (the device's gather budget; None: unbounded)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(members, key=lambda r: (key_lens[r], row_lens[r])):
+        candidate = current + [i]
+        padded = len(candidate) * max(row_lens[r] for r in candidate) * max(key_lens[r] for r in candidate)
+        useful = sum(row_lens[r] * key_lens[r] for r in candidate)
+        too_many_keys = max_keys is not None and len(candidate) * max(key_lens[r] for r in candidate) > max_keys
+        if current and (padded > max(_PADDING_FLOOR, PADDING_LIMIT * useful) or too_many_keys):
+            buckets.append(current)
+            candidate = [i]
+        current = candidate
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], is_cross: bool) -> PaddedGroup:
+    device = req_to_token.device
+    query_starts = [0]
+    for n in metadata.extend_lens:
+        query_starts.append(query_starts[-1] + n)
+    row_lens = [metadata.extend_lens[i] for i in members]
+    key_starts = [0 if is_cross else metadata.encoder_lens[i] for i in members]
+    key_lens = [metadata.encoder_lens[i] if is_cross else metadata.seq_lens[i] for i in members]
+    max_rows, max_keys = max(row_lens), max(key_lens)
+
+    key_lens_t = torch.tensor(key_lens, device=device)
+    key_starts_t = torch.tensor(key_starts, device=device)
+    key_offsets = torch.arange(max_keys, device=device)[None, :]
+    columns = (key_starts_t[:, None] + key_offsets).clamp_(max=req_to_token.shape[1] - 1)
+    pool_rows = req_pool_indices[members].to(device).long()
+    slots = req_to_token[pool_rows[:, None], columns].long()
+    slots = slots.masked_fill_(key_offsets >= key_lens_t[:, None], 0)
+
+    row_lens_t = torch.tensor(row_lens, device=device)
+    row_offsets = torch.arange(max_rows, device=device)[None, :]
+    query_index = torch.tensor([query_starts[i] for i in members], device=device)[:, None] + row_offsets
+    query_index = query_index.masked_fill_(row_offsets >= row_lens_t[:, None], 0)
+
+    boundaries = None
+    if is_cross:
+        boundaries = torch.zeros(len(members), max_rows, dtype=torch.int64, device=device)
+        for j, i in enumerate(members):
+            request_bounds = metadata.cross_boundaries[i]
+            if request_bounds is None:
+                boundaries[j, : row_lens[j]] = metadata.encoder_lens[i]
+            else:
+                boundaries[j, : row_lens[j]] = request_bounds.to(device)
+    prefix_lens = torch.tensor([metadata.prefix_lens[i] for i in members], device=device)
+    # One row per request after its whole cached text (decode): the causal limit is the key length itself.
+    sees_all_keys = max_rows == 1 and len(set(key_lens)) == 1
+    if is_cross:
+        sees_all_keys = sees_all_keys and all(metadata.cross_boundaries[i] is None for i in members)
+    visible = None
+    if not sees_all_keys:
+        keys = key_offsets[:, None, :]  # [1, 1, max_keys]
+        if is_cross:
+            visible = keys < boundaries[:, :, None]
+        else:
+            causal_limit = prefix_lens[:, None, None] + row_offsets[:, :, None]
+            visible = (keys < key_lens_t[:, None, None]) & (keys <= causal_limit)
+        visible = visible[:, None]
+    real = (row_offsets < row_lens_t[:, None]).flatten()
+    return PaddedGroup(
+        tuple(members), slots, key_lens_t, key_starts_t, query_index, row_lens_t, prefix_lens, boundaries,
+        visible, query_index.flatten()[real], real.nonzero().flatten(),
+    )
+
+
+def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer: AttentionLayer, slot_map) -> None:
+    """One primitive call for every request of the group; writes their rows of ``output``."""
+    batch, max_rows = group.query_index.shape
+    slots = group.slots if slot_map is None else slot_map[group.slots]
+    q = query[group.query_index].permute(0, 2, 1, 3)  # [B, Hq, rows, D]
+    k = k_cache[slots].to(query.dtype).permute(0, 2, 1, 3)  # [B, Hk, keys, D]
+    v = v_cache[slots].to(query.dtype).permute(0, 2, 1, 3)
+    visible = group.visible
+    if not (layer.is_cross_attention or layer.causal):  # encoder-only self-attention: lengths only
+        visible = (torch.arange(slots.shape[1], device=query.device) < group.key_lens[:, None])[:, None, None]
+    out, _ = attention_with_lse(q, k, v, layer.scale, visible=visible, logit_cap=layer.logit_cap)
+    out = out.permute(0, 2, 1, 3).reshape(batch * max_rows, out.shape[1], -1)
+    output[group.output_rows] = out[group.padded_rows]
+
+
+def _staircase_attention(
+    query, output, k_cache, v_cache, req_to_token, req_pool_indices, metadata, index, layer, slot_map
+):
+    """One request's cross-attention by its block plan (long staircases: videos, several images)."""
+    start = sum(metadata.extend_lens[:index])
+    rows = slice(start, start + metadata.extend_lens[index])
+    slots = req_to_token[req_pool_indices[index], : metadata.encoder_lens[index]].long()
+    if slot_map is not None:
+        slots = slot_map[slots]
+    key = k_cache[slots].to(query.dtype).movedim(0, 1)
+    value = v_cache[slots].to(query.dtype).movedim(0, 1)
+    out = frame_causal_cross_attention(
+        query[rows].movedim(0, 1), key, value, metadata.cross_boundaries[index], layer.scale,
+        logit_cap=layer.logit_cap, plan=metadata.plans[index],
+    )
+    output[rows] = out.movedim(0, 1)
+
+
+def _paged_attention_enabled(device: torch.device) -> bool:
+    return device.type in PAGED_ATTENTION_DEVICES and os.environ.get("MOSSVL_NPU_PAGED_ATTENTION") == "1"
+
+
+def _paged_group_attention(query, output, k_cache, v_cache, req_to_token, req_pool_indices, group, layer, page_size):
+    """One-row group straight from the paged pool: block table over each request's slots up to the end of its
+    keys, the encoder in front of self-attention's text masked out, no K/V gather."""
+    device = query.device
+    ends = group.boundaries[:, 0] if layer.is_cross_attention else group.key_starts + group.key_lens
+    max_end = int(ends.max())
+    blocks = -(-max_end // page_size)
+    columns = (torch.arange(blocks, device=device) * page_size).clamp_(max=req_to_token.shape[1] - 1)
+    pool_rows = req_pool_indices[list(group.requests)].to(device).long()
+    block_table = (req_to_token[pool_rows[:, None], columns] // page_size).to(torch.int32)
+    q = query[group.query_index].permute(0, 2, 1, 3)
+    pages_shape = (-1, page_size, k_cache.shape[1] * k_cache.shape[2])
+    out, _ = npu_paged_attention_with_lse(
+        q, k_cache.view(pages_shape), v_cache.view(-1, page_size, v_cache.shape[1] * v_cache.shape[2]),
+        layer.scale, block_table=block_table, block_size=page_size, kv_ends=ends.tolist(),
+        hidden_prefix=group.key_starts,
+    )
+    output[group.query_index[:, 0]] = out[:, :, 0]

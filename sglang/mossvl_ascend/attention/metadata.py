@@ -1,0 +1,209 @@
+"""Per-forward attention metadata of a MOSS-VL batch, built once and read by every layer (batch layer).
+
+One :class:`ForwardAttentionMetadata` per forward pass holds, per request, the lengths the attention needs (new
+text rows, cached text prefix, encoder tokens), the cross-attention visibility as per-row encoder boundaries
+with its block plan, and — built on first use, then cached for the remaining layers — padded KV-pool slot
+tables and padded query positions for the batched attention of :mod:`mossvl_ascend.attention.core`.
+
+Decode is an extend of one row whose text prefix is ``seq_len - 1`` tokens and that sees every frame; a mixed
+batch (decode rows appended as one-row extends with ``prefix_len = seq_len - 1``) is an extend like any other.
+
+KV layout (``ScheduleBatch.prepare_encoder_info_extend``): a request's slots are
+``req_to_token[req, :encoder_len]`` for its vision encoder tokens followed by its text tokens; sglang's
+``seq_lens`` / ``extend_prefix_lens`` / ``extend_seq_lens`` count text tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mossvl_ascend.attention.blocks import (
+    FrameCausalPlan,
+    encoder_boundaries_from_packed_mask,
+    encoder_boundaries_from_visible_frames,
+    frame_ends_from_grid_thw,
+    plan_frame_causal_blocks,
+)
+
+# Where the prepare_forward_batch hook leaves the metadata on sglang's ForwardBatch (see attach / attached).
+FORWARD_BATCH_ATTRIBUTE = "mossvl_attention_metadata"
+
+
+def request_row_boundaries(mm_input, text_offset: int, q_len: int, encoder_len: int, spatial_merge_size: int, device):
+    """Boundaries (int32 ``[q_len]``) of one request's new rows, text rows ``[text_offset, text_offset + q_len)``.
+
+    ``mm_input.visible_frame_counts`` (per text token, how many frames it sees) and the first item's
+    ``grid_thw`` give the frame ends; a request without them sees every frame (stock's rule).
+    """
+    counts = getattr(mm_input, "visible_frame_counts", None) if mm_input is not None else None
+    item = mm_input.mm_items[0] if mm_input is not None and mm_input.mm_items else None
+    grid_thw = getattr(item, "grid_thw", None) if item is not None else None
+    if counts is None or grid_thw is None:
+        return torch.full((q_len,), encoder_len, dtype=torch.int32, device=device)
+    frame_ends = frame_ends_from_grid_thw(grid_thw, spatial_merge_size)
+    rows = counts[text_offset : text_offset + q_len].to(device)
+    return encoder_boundaries_from_visible_frames(rows, frame_ends, encoder_len)
+
+
+@dataclass
+class ForwardAttentionMetadata:
+    """What every attention layer of one forward needs, per request in batch order.
+
+    ``cross_boundaries[i]`` is None when request i's new rows see every frame (decode, no visibility data,
+    no encoder, no new rows), else int32 ``[extend_lens[i]]``: row r sees encoder keys ``[0, boundary_r)``.
+    ``plans[i]`` is its block plan (None exactly when the boundaries are).
+    """
+
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    encoder_lens: list[int]
+    cross_boundaries: list[torch.Tensor | None]
+    plans: list[FrameCausalPlan | None]
+    device: torch.device
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, extend_lens, prefix_lens, encoder_lens, cross_boundaries=None, device="cpu"):
+        """Metadata from per-request lengths and boundaries (None: every row sees every frame)."""
+        extend_lens, prefix_lens, encoder_lens = list(extend_lens), list(prefix_lens), list(encoder_lens)
+        if cross_boundaries is None:
+            cross_boundaries = [None] * len(extend_lens)
+        cross_boundaries = [
+            None if b is None or not (q and e) or _sees_everything(b, e) else b
+            for b, q, e in zip(cross_boundaries, extend_lens, encoder_lens)
+        ]
+        plans = [None if b is None else plan_frame_causal_blocks(b) for b in cross_boundaries]
+        return cls(extend_lens, prefix_lens, encoder_lens, cross_boundaries, plans, torch.device(device))
+
+    @classmethod
+    def for_decode(cls, seq_lens: list[int], encoder_lens: list[int], device):
+        """Decode: one new row per request after ``seq_len - 1`` cached text tokens, every frame visible."""
+        return cls.build([1] * len(seq_lens), [s - 1 for s in seq_lens], encoder_lens, device=device)
+
+    @classmethod
+    def from_packed_mask(cls, extend_lens, prefix_lens, encoder_lens, packed_mask, device):
+        """From the stock packed mask (uint8, 1 = visible, row-major ``extend_len x encoder_len`` per request
+        with encoder tokens and new rows, batch order), converted to boundaries once; None = all visible.
+
+        A size that disagrees with the batch raises ValueError naming the request and its lengths; a row that
+        is not an encoder prefix raises ValueError (no MOSS-VL producer makes one).
+        """
+        if packed_mask is None:
+            return cls.build(extend_lens, prefix_lens, encoder_lens, device=device)
+        boundaries, offset = [], 0
+        for req_idx, (extend_len, encoder_len) in enumerate(zip(extend_lens, encoder_lens)):
+            if not (extend_len and encoder_len):
+                boundaries.append(None)
+                continue
+            size = extend_len * encoder_len
+            if offset + size > packed_mask.numel():
+                raise ValueError(
+                    f"cross_attention_custom_mask too short at request {req_idx}: needs extend_seq_len {extend_len} "
+                    f"x encoder_len {encoder_len} = {size} entries at offset {offset}, it has {packed_mask.numel()}"
+                )
+            chunk = packed_mask[offset : offset + size]
+            boundaries.append(encoder_boundaries_from_packed_mask(chunk, extend_len, encoder_len).to(device))
+            offset += size
+        if offset != packed_mask.numel():
+            raise ValueError(
+                f"cross_attention_custom_mask has {packed_mask.numel()} entries but the batch's extend_seq_len x "
+                f"encoder_len products sum to {offset} (extend_seq_lens {list(extend_lens)}, encoder_lens "
+                f"{list(encoder_lens)})"
+            )
+        return cls.build(extend_lens, prefix_lens, encoder_lens, boundaries, device)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Text tokens per request after this forward (cached prefix + new rows)."""
+        return [p + q for p, q in zip(self.prefix_lens, self.extend_lens)]
+
+    def cached(self, key, build):
+        """``build()`` once per forward under ``key``; every later layer gets the same object."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def request(self, index: int) -> "ForwardAttentionMetadata":
+        """The metadata of one request as a batch of one (the per-request loop the benchmark compares with)."""
+        return ForwardAttentionMetadata(
+            [self.extend_lens[index]],
+            [self.prefix_lens[index]],
+            [self.encoder_lens[index]],
+            [self.cross_boundaries[index]],
+            [self.plans[index]],
+            self.device,
+        )
+
+
+def _sees_everything(boundaries: torch.Tensor, encoder_len: int) -> bool:
+    return bool((boundaries == encoder_len).all())
+
+
+def attach(forward_batch, metadata: ForwardAttentionMetadata) -> None:
+    """Leave ``metadata`` on sglang's ForwardBatch for every layer of this forward."""
+    setattr(forward_batch, FORWARD_BATCH_ATTRIBUTE, metadata)
+
+
+def attached(forward_batch) -> ForwardAttentionMetadata | None:
+    """The metadata the prepare_forward_batch hook (or the first layer) left on this ForwardBatch, if any."""
+    return vars(forward_batch).get(FORWARD_BATCH_ATTRIBUTE)
+
+
+def metadata_of_forward_batch(forward_batch) -> ForwardAttentionMetadata:
+    """This forward's metadata: the attached one, else built from the batch (stock packed mask when a producer
+    set one) and attached, so the first layer builds it and every later layer reuses it."""
+    metadata = attached(forward_batch)
+    if metadata is None:
+        device = forward_batch.seq_lens.device
+        encoder_lens = _encoder_lens_list(forward_batch)
+        if forward_batch.forward_mode.is_decode():
+            metadata = ForwardAttentionMetadata.for_decode(_seq_lens_list(forward_batch), encoder_lens, device)
+        else:
+            metadata = ForwardAttentionMetadata.from_packed_mask(
+                list(forward_batch.extend_seq_lens_cpu),
+                list(forward_batch.extend_prefix_lens_cpu),
+                encoder_lens,
+                forward_batch.cross_attention_custom_mask,
+                device,
+            )
+        attach(forward_batch, metadata)
+    return metadata
+
+
+def _seq_lens_list(forward_batch) -> list[int]:
+    """Text lengths from the host copy when sglang keeps one (no device sync per forward)."""
+    if forward_batch.seq_lens_cpu is not None:
+        return forward_batch.seq_lens_cpu.tolist()
+    return forward_batch.seq_lens.tolist()
+
+
+def _encoder_lens_list(forward_batch) -> list[int]:
+    if forward_batch.encoder_lens_cpu is not None:
+        return list(forward_batch.encoder_lens_cpu)
+    return forward_batch.encoder_lens.tolist()
+
+
+def metadata_from_visible_frames(forward_batch, spatial_merge_size: int) -> ForwardAttentionMetadata:
+    """The prepare_forward_batch hook's builder: boundaries from each request's visible-frame counts."""
+    device = forward_batch.seq_lens.device
+    encoder_lens = _encoder_lens_list(forward_batch)
+    if forward_batch.forward_mode.is_decode():
+        return ForwardAttentionMetadata.for_decode(_seq_lens_list(forward_batch), encoder_lens, device)
+    extend_lens = list(forward_batch.extend_seq_lens_cpu)
+    prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
+    boundaries = []
+    for i, (extend_len, prefix_len, encoder_len) in enumerate(zip(extend_lens, prefix_lens, encoder_lens)):
+        if not (extend_len and encoder_len):
+            boundaries.append(None)
+            continue
+        mm_input = forward_batch.mm_inputs[i] if forward_batch.mm_inputs else None
+        boundaries.append(
+            request_row_boundaries(mm_input, prefix_len, extend_len, encoder_len, spatial_merge_size, device)
+        )
+    return ForwardAttentionMetadata.build(extend_lens, prefix_lens, encoder_lens, boundaries, device)

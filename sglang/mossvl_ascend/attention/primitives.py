@@ -1,0 +1,146 @@
+"""Attention that also returns each row's log-sum-exp, one implementation per device (math layer, pure torch).
+
+Every attention the core runs goes through :func:`attention_with_lse`:
+
+- CPU: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` (the kernel behind CPU SDPA; it returns
+  the fp32 logsumexp next to the output, at SDPA speed, and handles GQA itself);
+- NPU: ``torch_npu.npu_fused_infer_attention_score`` with ``softmax_lse_flag=True`` (layout BNSD,
+  ``num_key_value_heads`` for GQA, ``atten_mask`` True = masked out, the LSE comes back as ``[B, N, S, 1]`` fp32);
+  written to the torch_npu documentation and checked on CPU against the STAND-IN in ``tests/fake_torch_npu.py``
+  only: it has not run on an Ascend card;
+- anything else, softcapped logits (no fused op has a softcap and an LSE) and value dims unequal to the query
+  dim: plain torch with explicit fp32 scores, in row chunks so the score matrix stays bounded.
+
+Conventions: q ``[B, Hq, L, D]``; k ``[B, Hk, S, D]``; v ``[B, Hk, S, Dv]`` (Hq a multiple of Hk, query head h
+reads KV head ``h // (Hq / Hk)``); ``visible`` bool broadcastable to ``[B, 1, L, S]``, **True = attend** (torch
+SDPA's convention; the NPU call inverts it). Returns (out ``[B, Hq, L, Dv]`` in q's dtype, lse fp32 ``[B, Hq, L]``).
+A row that sees no key gets out 0 and lse -inf, on every device, so an LSE merge gives it zero weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The plain path materialises fp32 scores; bound one chunk to this many elements (64 MiB).
+_PLAIN_SCORE_ELEMENTS = 1 << 24
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    *,
+    visible: torch.Tensor | None = None,
+    logit_cap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over k/v with its per-row log-sum-exp; the device picks the implementation (module doc)."""
+    batch, num_heads, rows, _ = q.shape
+    if k.shape[2] == 0 or rows == 0:
+        out = q.new_zeros(batch, num_heads, rows, v.shape[-1])
+        return out, torch.full((batch, num_heads, rows), float("-inf"), device=q.device)
+    if logit_cap > 0 or q.shape[-1] != v.shape[-1]:
+        return plain_attention_with_lse(q, k, v, scale, visible=visible, logit_cap=logit_cap)
+    fused = FUSED_ATTENTION_BY_DEVICE.get(q.device.type)
+    if fused is None:
+        return plain_attention_with_lse(q, k, v, scale, visible=visible)
+    out, lse = fused(q, k, v, scale, visible=visible)
+    if visible is not None:
+        blind = ~visible.any(dim=-1)  # [B or 1, 1, L]
+        out = out.masked_fill(blind[..., None], 0.0)
+        lse = lse.masked_fill(blind, float("-inf"))
+    return out, lse
+
+
+def cpu_attention_with_lse(q, k, v, scale, *, visible=None):
+    """The CPU flash kernel; it takes an additive mask of the query's dtype (0 = attend, -inf = masked)."""
+    mask = None
+    if visible is not None:
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    return out, lse
+
+
+def npu_attention_with_lse(q, k, v, scale, *, visible=None):
+    """``torch_npu.npu_fused_infer_attention_score``, BNSD, with its softmax LSE (not run on hardware here)."""
+    import torch_npu
+
+    out, lse = torch_npu.npu_fused_infer_attention_score(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        num_heads=q.shape[1],
+        num_key_value_heads=k.shape[1],
+        input_layout="BNSD",
+        scale=scale,
+        atten_mask=None if visible is None else (~visible).contiguous(),  # Ascend: True = masked out
+        softmax_lse_flag=True,
+    )
+    return out, lse.squeeze(-1).float()
+
+
+def npu_paged_attention_with_lse(q, k_pages, v_pages, scale, *, block_table, block_size, kv_ends, hidden_prefix):
+    """Attention straight from the paged KV pool: ``npu_fused_infer_attention_score`` with ``block_table``.
+
+    q ``[B, Hq, rows, D]``; k/v_pages ``[num_blocks, block_size, Hk * D]`` (the pool, no copy); block_table
+    int32 ``[B, max_blocks]``; kv_ends ``[B]`` host ints, keys at positions ``>= kv_ends[b]`` unseen
+    (``actual_seq_lengths_kv``); hidden_prefix ``[B]`` tensor, positions ``< hidden_prefix[b]`` masked out (the
+    encoder in front of a request's text, which a block table cannot skip). Returns (out, lse) like
+    :func:`attention_with_lse`. Written to the torch_npu documentation; not run on an Ascend card.
+    """
+    import torch_npu
+
+    batch, num_heads, rows, dim = q.shape
+    positions = torch.arange(block_table.shape[1] * block_size, device=q.device)
+    masked_out = (positions[None, :] < hidden_prefix[:, None]).view(batch, 1, 1, -1).expand(-1, -1, rows, -1)
+    out, lse = torch_npu.npu_fused_infer_attention_score(
+        q.contiguous(),
+        k_pages,
+        v_pages,
+        num_heads=num_heads,
+        num_key_value_heads=k_pages.shape[-1] // dim,
+        input_layout="BNSD",
+        scale=scale,
+        block_table=block_table,
+        block_size=block_size,
+        actual_seq_lengths_kv=kv_ends,
+        atten_mask=masked_out.contiguous(),  # Ascend: True = masked out
+        softmax_lse_flag=True,
+    )
+    lse = lse.squeeze(-1).float()
+    blind = (torch.as_tensor(kv_ends, device=q.device) <= hidden_prefix).view(batch, 1, 1)
+    return out.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, float("-inf"))
+
+
+# The fused attention-with-LSE of each device type; other devices take the plain path.
+FUSED_ATTENTION_BY_DEVICE = {"cpu": cpu_attention_with_lse, "npu": npu_attention_with_lse}
+
+
+def plain_attention_with_lse(q, k, v, scale, *, visible=None, logit_cap=0.0):
+    """Explicit fp32 scores (optionally ``cap * tanh(s / cap)``), masked, ``logsumexp`` and ``softmax``.
+
+    The query heads are folded onto their KV head (``[B, Hk, group * rows, D]``) so GQA needs no copy of K/V;
+    rows are processed in chunks bounded by ``_PLAIN_SCORE_ELEMENTS``.
+    """
+    batch, num_heads, rows, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    group = num_heads // kv_heads
+    k32, v32 = k.float(), v.float()
+    out = q.new_empty(batch, num_heads, rows, v.shape[-1])
+    lse = torch.empty(batch, num_heads, rows, device=q.device)
+    chunk = max(1, _PLAIN_SCORE_ELEMENTS // max(1, batch * num_heads * keys))
+    for start in range(0, rows, chunk):
+        stop = min(rows, start + chunk)
+        q_chunk = q[:, :, start:stop].float().reshape(batch, kv_heads, group * (stop - start), dim)
+        scores = torch.matmul(q_chunk, k32.transpose(-1, -2)).mul_(scale)
+        if logit_cap > 0:
+            scores = scores.div_(logit_cap).tanh_().mul_(logit_cap)
+        scores = scores.view(batch, num_heads, stop - start, keys)
+        if visible is not None:
+            scores = scores.masked_fill(~visible[..., start:stop, :], float("-inf"))
+        chunk_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - chunk_lse.masked_fill(chunk_lse == float("-inf"), 0.0)[..., None])
+        chunk_out = torch.matmul(probs.view(batch, kv_heads, group * (stop - start), keys), v32)
+        out[:, :, start:stop] = chunk_out.view(batch, num_heads, stop - start, -1).to(q.dtype)
+        lse[:, :, start:stop] = chunk_lse
+    return out, lse

@@ -1,0 +1,88 @@
+"""MOSS-VL served in bf16 with a long multi-image prompt: prompt logprobs stay within bf16's own tolerance.
+
+The prompt has three images with about 170 text rows after each (511 prompt rows, more than a leaf of 192 rows,
+so the frame-causal staircase is cut into several blocks merged by log-sum-exp). Oracle: the reference transformers
+model in fp32 (log-probabilities of every prompt token given the ones before). The tolerance is the dtype's own:
+the same reference model run in bf16 on the same inputs gives an error E against fp32; the server in bf16 must stay
+within 1.5 E + 0.01 (mean over the prompt) and 1.5 E_max + 0.05 (worst token). A merge that loses or misweighs a
+block, or a mask read with the wrong polarity, moves many tokens by far more (and the prompt ids must match).
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+
+from serving.launch import SglangServer
+from serving_support import ASSETS, data_url, load_reference
+
+pytestmark = pytest.mark.timeout(900)
+
+FILLER = " ".join(["The scene shows shapes and colours that change slowly across the frame."] * 6)
+MESSAGES = [{"role": "user", "content": [
+    {"type": "image", "image": str(ASSETS / "square_64.png")}, {"type": "text", "text": "First picture. " + FILLER},
+    {"type": "image", "image": str(ASSETS / "gradient_96x64.png")},
+    {"type": "text", "text": "Second picture. " + FILLER},
+    {"type": "image", "image": str(ASSETS / "square_64.png")},
+    {"type": "text", "text": "Third picture. " + FILLER + " Compare them."},
+]}]
+IMAGES = [part["image"] for part in MESSAGES[0]["content"] if part["type"] == "image"]
+
+
+def prompt_logprobs(model, inputs) -> torch.Tensor:
+    """log p(token_t | tokens_<t) for t >= 1, fp64 ``[prompt_len - 1]``."""
+    with torch.no_grad():
+        logits = model(**inputs).logits[0].double()
+    ids = inputs["input_ids"][0]
+    return torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    model, processor = load_reference(checkpoint)
+    inputs, _ = model.processor_inputs(processor, {"messages": MESSAGES})
+    fp32 = prompt_logprobs(model, inputs)
+    bf16_inputs = {
+        key: value.to(torch.bfloat16) if torch.is_tensor(value) and value.is_floating_point() else value
+        for key, value in inputs.items()
+    }
+    bf16 = prompt_logprobs(model.to(torch.bfloat16), bf16_inputs)
+    visible_frames = (~inputs["cross_attention_mask"][0, 0]).sum(-1)
+    assert inputs["input_ids"].shape[1] > 192 and visible_frames.unique().numel() == 4  # a staircase over 3 images
+    text = processor.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    return {"ids": inputs["input_ids"][0].tolist(), "fp32": fp32, "bf16": bf16, "text": text}
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint, reference):
+    bf16_args = ["--dtype", "bfloat16", "--skip-server-warmup"]
+    with SglangServer(checkpoint, extra_args=bf16_args, name="test-bf16") as server:
+        response = requests.post(
+            f"{server.base_url}/generate",
+            json={
+                "text": reference["text"],
+                "image_data": [data_url(path) for path in IMAGES],
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
+            timeout=600,
+        )
+    response.raise_for_status()
+    return response.json()["meta_info"]["input_token_logprobs"]
+
+
+def test_bf16_prompt_logprobs_within_the_dtype_tolerance(reference, served):
+    served_ids = [entry[1] for entry in served]
+    assert served_ids == reference["ids"]
+    served_logprobs = torch.tensor([entry[0] for entry in served[1:]], dtype=torch.float64)
+    served_error = (served_logprobs - reference["fp32"]).abs()
+    dtype_error = (reference["bf16"] - reference["fp32"]).abs()
+    print(
+        f"bf16 prompt logprob error vs fp32: served mean {served_error.mean():.4f} max {served_error.max():.4f}; "
+        f"reference model in bf16 mean {dtype_error.mean():.4f} max {dtype_error.max():.4f}"
+    )
+    assert torch.isfinite(served_logprobs).all()
+    assert served_error.mean() <= 1.5 * dtype_error.mean() + 0.01
+    assert served_error.max() <= 1.5 * dtype_error.max() + 0.05
