@@ -18,6 +18,9 @@ Server arguments (``server_args``)
      radix cache off with one log line unless ``MOSSVL_NPU_ENABLE_RADIX_CACHE=1``, decode graphs off,
      ``ASCEND_USE_FIA``/``ASCEND_USE_FA`` refused; ``--device cpu``: torch_native.
      target ``arg_groups.model_override_base._invoke_provider`` — hook.
+ 13. MOSS-VL keeps chunked prefill on npu / cpu (stock forces ``chunked_prefill_size = -1``): the memoized
+     ``ModelConfig`` is marked ``is_multimodal_chunked_prefill_supported`` before stock's capability check.
+     same target — hook (issue 12).
 Attention (``native_attention``, ``ascend_backend``, ``cpu_attention``, ``compact_visibility``,
 ``frame_causal_attention``)
   2. Cross-attention mask built on every extend whatever the prefill backend.
@@ -38,12 +41,22 @@ Attention (``native_attention``, ``ascend_backend``, ``cpu_attention``, ``compac
   9. CPU servers run MOSS-VL attention through the patched Ascend native math.
      target ``layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend``/``forward_decode``
      — hook (a test-harness route).
+ 15. Mixed batches (``--enable-mixed-chunk``) on NPU go through the encoder-aware math, not the fused
+     ``AscendAttnBackend.forward_mixed`` that ignores the encoder. target that method — hook (``ascend_backend``).
+ 16. The text-row gate reads rows past the prompt (mixed-batch decode rows, resumed requests) as the last prompt
+     row and keeps the per-row counts (no shrink). target ``models.moss_vl.MossVLForConditionalGeneration.
+     get_full_text_row_masked_out_mask`` — replace off CUDA (``text_row_gate``); boundaries read rows the same way
+     (``compact_visibility.visible_frames_of_rows``).
 Scheduling and caching (``radix_prefix``, ``encoder_cache_key``)
   6. A prefix match ending inside a request's encoder span (page size 128) is dropped.
      target ``mem_cache.common.match_kv_cache`` — hook.
  10. Encoder-prefix radix keys include the vision positions (same images at another text position reused
      keys rotated for the old positions). target ``models.moss_vl.MossVLForConditionalGeneration.
      _build_encoder_prefix_pad_ids`` — hook (found by the serving parity tests; not in the source PR).
+Chunked prefill (``chunked_prefill``)
+ 14. A chunk never ends inside (or right at the end of) a request's encoder span: the first chunk holds the
+     whole encoder and a text row; too small a budget waits, or, alone in the batch, takes the encoder whole.
+     target ``managers.schedule_policy.PrefillAdder._select_prefill_admission`` — hook (issue 12).
 Start-up and NPU guards (``npu_imports``, ``npu_guards``)
   7. Pure-torch ``split_qkv_rmsnorm_rope`` when ``sgl_kernel_npu`` / triton-ascend is incomplete.
      target the module-level import in ``models.qwen3`` (and the Qwen3-ASR adapter) — ``sys.modules`` fallback.
@@ -62,7 +75,7 @@ logger = logging.getLogger(__name__)
 PLUGIN_NAME = "mossvl_ascend"
 
 # One module per patched sglang area; each exposes ``register()``.
-PATCH_MODULES: tuple[str, ...] = ("npu_imports", "server_args", "radix_prefix", "encoder_cache_key", "compact_visibility", "request_validation", "native_attention", "ascend_backend", "cpu_attention")
+PATCH_MODULES: tuple[str, ...] = ("npu_imports", "server_args", "radix_prefix", "encoder_cache_key", "compact_visibility", "request_validation", "native_attention", "ascend_backend", "cpu_attention", "chunked_prefill", "text_row_gate")
 
 
 def register() -> None:

@@ -2,11 +2,11 @@
 
 Catalog
 -------
-**Hook: encoder-decoder batches in** ``AscendAttnBackend.forward_extend`` **and**
-``forward_decode`` (items 3 and 5)
+**Hook: encoder-decoder batches in** ``AscendAttnBackend.forward_extend``, ``forward_decode`` **and**
+``forward_mixed`` (items 3 and 5; issue 12)
 
 - *target*: ``sglang.srt.hardware_backend.npu.attention.ascend_backend.AscendAttnBackend.``
-  ``forward_extend`` and ``.forward_decode`` (AROUND).
+  ``forward_extend``, ``.forward_decode`` and ``.forward_mixed`` (AROUND).
 - *why*: stock 0.5.23 calls ``AscendTorchNativeAttnBackend.run_sdpa_forward_extend`` without
   ``forward_batch.cross_attention_custom_mask`` (no such keyword exists there), so MOSS-VL's
   frame-causal visibility is dropped on the NPU. Also, with ``ASCEND_USE_FIA=1`` or
@@ -24,6 +24,10 @@ Catalog
   models and NPU graph replay go to the stock method unchanged (the native math syncs with the
   host per request, so it cannot be captured; graph decode is off for MOSS-VL, see
   ``server_args``).
+- *mixed batches* (``--enable-mixed-chunk``, issue 12): on NPU ``AttentionBackend.forward`` sends a MIXED
+  batch (a prefill chunk plus the decode rows of running requests) to ``AscendAttnBackend.forward_mixed``, a
+  fused path that ignores the encoder; ``forward_mixed`` is a third target of the same hook, so the batch
+  runs the extend math (decode rows are one-row extends whose visibility is every frame).
 - *upstream status / when to remove*: not upstream in 0.5.23. Remove once ``forward_extend``
   passes the mask (keyword ``cross_attention_custom_mask``) and encoder-decoder batches cannot
   reach the FIA/FA branches.
@@ -46,6 +50,7 @@ logger = logging.getLogger(__name__)
 ASCEND_BACKEND_MODULE = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 EXTEND_TARGET = f"{ASCEND_BACKEND_MODULE}.AscendAttnBackend.forward_extend"
 DECODE_TARGET = f"{ASCEND_BACKEND_MODULE}.AscendAttnBackend.forward_decode"
+MIXED_TARGET = f"{ASCEND_BACKEND_MODULE}.AscendAttnBackend.forward_mixed"
 
 
 def _takes_encoder_decoder_route(backend, forward_batch) -> bool:
@@ -84,3 +89,4 @@ def register() -> None:
         return
     HookRegistry.register(EXTEND_TARGET, _encoder_decoder_forward, HookType.AROUND)
     HookRegistry.register(DECODE_TARGET, _encoder_decoder_forward, HookType.AROUND)
+    HookRegistry.register(MIXED_TARGET, _encoder_decoder_forward, HookType.AROUND)

@@ -40,6 +40,15 @@ Catalog entry
       backend construction and silently rewriting a user's environment hides the conflict.
     * CPU: ``attention_backend`` resolves to ``torch_native`` unless the user chose any
       attention backend; no flashinfer assertion.
+    * NPU and CPU: chunked prefill stays on. Stock ``handle_model_capability_adjustments`` forces
+      ``chunked_prefill_size = -1`` for every model ``is_multimodal_chunked_prefill_supported`` lists
+      (MOSS-VL among them) because a chunk cut could split the encoder span; here the scheduler never
+      does (:mod:`mossvl_ascend.chunked_prefill`) and every chunk gets its own frame-causal rows
+      (:mod:`mossvl_ascend.compact_visibility`). So the resolution's memoized ``ModelConfig`` is marked
+      as supporting it before that stock check runs (the provider runs earlier in the same pipeline):
+      ``--chunked-prefill-size N`` is kept, and without it the device default stock chooses (8192 on
+      a 64 GiB NPU) applies. ``--enable-mixed-chunk`` then works too (mixed batches are routed through
+      the encoder-aware math: ``ascend_backend`` / ``cpu_attention``).
 
 **upstream status / when to remove**: open. Remove when upstream
     ``arg_groups/model_overrides/moss_vl.py`` accepts non-flashinfer backends that consume
@@ -84,6 +93,13 @@ def _refuse_fused_ascend_extend() -> None:
             "attend over the current chunk with a causal mask and ignore the encoder "
             "(cross-attention) prefix. Unset them or set them to 0."
         )
+
+
+def keep_chunked_prefill(server_args: Any) -> None:
+    """Let MOSS-VL keep chunked prefill (see the module docstring: encoder spans are never split)."""
+    from sglang.srt.arg_groups.model_override_base import model_config_of
+
+    model_config_of(server_args).is_multimodal_chunked_prefill_supported = True
 
 
 def npu_declarations(server_args: Any) -> Dict[str, Any]:
@@ -157,6 +173,7 @@ def moss_vl_provider_around(
 
         declare = _DECLARATIONS_BY_DEVICE.get(resolving_view(server_args).device)
         if declare is not None:
+            keep_chunked_prefill(server_args)
             return declare(server_args)
     return original(fn, server_args, hf_config)
 
