@@ -65,7 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def server_args(args: argparse.Namespace, chunk_size: int = -1) -> list[str]:
     # CPU serving needs fp32; bench_serving sends its own warmup request, so the server's is skipped.
-    chunking = ["--chunked-prefill-size", str(chunk_size)] + (["--enable-mixed-chunk"] if chunk_size > 0 else [])
+    # Unchunked: an explicit -1 makes stock CPU memory resolution compute a negative --mem-fraction-static (it
+    # sizes activation memory from the chunk size), so the value stock resolves with its default chunk is given.
+    chunking = ["--chunked-prefill-size", str(chunk_size)]
+    chunking += ["--enable-mixed-chunk"] if chunk_size > 0 else ["--mem-fraction-static", "0.71"]
     return ["--dtype", "float32", "--skip-server-warmup", *chunking, *args.server_arg]
 
 
