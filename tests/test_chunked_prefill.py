@@ -57,7 +57,8 @@ def make_req(rid, prompt_len, encoder_len):
     from sglang.srt.managers.schedule_batch import MultimodalInputs, Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    req = Req(rid, "", array("q", [7] * encoder_len + list(range(prompt_len - encoder_len))), SamplingParams(max_new_tokens=4))
+    token_ids = array("q", [7] * encoder_len + list(range(prompt_len - encoder_len)))
+    req = Req(rid, "", token_ids, SamplingParams(max_new_tokens=4))
     if encoder_len:
         req.multimodal_inputs = MultimodalInputs(mm_items=[], num_image_tokens=encoder_len)
     return req

@@ -166,6 +166,27 @@ def mixed(checkpoint, reference, unchunked, one_row):
     return {"served": served, "batches": batches, "load": load, "load_batches": load_batches, "streamed": streamed}
 
 
+@pytest.fixture(scope="module")
+def retracting(checkpoint, reference, unchunked, one_row, mixed):
+    """The parity cases at once on a chunk-16 server that retracts a running request every 3 forwards.
+
+    ``SGLANG_TEST_RETRACT=1`` is sglang's own switch: the scheduler calls the real ``ScheduleBatch.retract_decode``
+    every ``SGLANG_TEST_RETRACT_INTERVAL`` (3) forwards, which frees a decoding request's KV (encoder included,
+    nothing kept in the radix cache) and re-queues it; it is prefilled again (in chunks) with its output so far.
+    """
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SGLANG_TEST_RETRACT", "1")
+        flags = BASE_ARGS + ["--chunked-prefill-size", "16"]
+        with SglangServer(checkpoint, extra_args=flags, name="chunked-retract") as server:
+            client, model_name = openai_client(server)
+            with ThreadPoolExecutor(max_workers=len(PARITY_ORDER)) as pool:
+                futures = {name: pool.submit(served_ids, client, model_name, CASES[name]) for name in PARITY_ORDER}
+                served = {name: future.result() for name, future in futures.items()}
+            log = server.log_path.read_text(errors="replace")
+    retracted = [int(n) for n in re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", log)]
+    return {"served": served, "retracted": retracted}
+
+
 def assert_parity(served, reference):
     for name in PARITY_ORDER:
         assert served[name]["prompt_ids"] == reference[name][0], name
@@ -209,7 +230,10 @@ def test_long_and_short_requests_at_once_equal_the_reference_and_short_ttft_is_r
     for name, (_, text) in mixed["streamed"].items():
         assert text == unchunked["load"][name][1], name
     figures = {
-        "short_ttft_median_s": {"unchunked": short_ttft_median(unchunked["load"]), "chunk16_mixed": short_ttft_median(mixed["streamed"])},
+        "short_ttft_median_s": {
+            "unchunked": short_ttft_median(unchunked["load"]),
+            "chunk16_mixed": short_ttft_median(mixed["streamed"]),
+        },
         "long_ttft_median_s": {
             "unchunked": statistics.median(unchunked["load"][f"long{i}"][0] for i in range(8)),
             "chunk16_mixed": statistics.median(mixed["streamed"][f"long{i}"][0] for i in range(8)),
@@ -219,3 +243,8 @@ def test_long_and_short_requests_at_once_equal_the_reference_and_short_ttft_is_r
     FIGURES.parent.mkdir(parents=True, exist_ok=True)
     FIGURES.write_text(json.dumps(figures, indent=2))
     print("chunked serving figures:", json.dumps(figures))
+
+
+def test_retracted_requests_resume_with_the_reference_tokens(retracting, reference):
+    assert sum(retracting["retracted"]) >= 3, retracting["retracted"]  # real retractions happened
+    assert_parity(retracting["served"], reference)

@@ -47,6 +47,9 @@ Attention (``native_attention``, ``ascend_backend``, ``cpu_attention``, ``compac
      row and keeps the per-row counts (no shrink). target ``models.moss_vl.MossVLForConditionalGeneration.
      get_full_text_row_masked_out_mask`` — replace off CUDA (``text_row_gate``); boundaries read rows the same way
      (``compact_visibility.visible_frames_of_rows``).
+ 17. A MOSS-VL request keeps its pixel values until it finishes (stock drops them right after encoding), so a
+     retracted request can be prefilled again. target ``models.moss_vl.MossVLForConditionalGeneration.forward``
+     — hook off CUDA (``media_retention``).
 Scheduling and caching (``radix_prefix``, ``encoder_cache_key``)
   6. A prefix match ending inside a request's encoder span (page size 128) is dropped.
      target ``mem_cache.common.match_kv_cache`` — hook.
@@ -75,7 +78,7 @@ logger = logging.getLogger(__name__)
 PLUGIN_NAME = "mossvl_ascend"
 
 # One module per patched sglang area; each exposes ``register()``.
-PATCH_MODULES: tuple[str, ...] = ("npu_imports", "server_args", "radix_prefix", "encoder_cache_key", "compact_visibility", "request_validation", "native_attention", "ascend_backend", "cpu_attention", "chunked_prefill", "text_row_gate")
+PATCH_MODULES: tuple[str, ...] = ("npu_imports", "server_args", "radix_prefix", "encoder_cache_key", "compact_visibility", "request_validation", "native_attention", "ascend_backend", "cpu_attention", "chunked_prefill", "text_row_gate", "media_retention")
 
 
 def register() -> None:
