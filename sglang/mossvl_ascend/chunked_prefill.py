@@ -24,6 +24,20 @@ Catalog entry
 
 **upstream status / when to remove**: open; remove when sglang's PrefillAdder keeps encoder spans whole
     (and ``is_multimodal_chunked_prefill_supported`` lists MOSS-VL).
+
+Second hook: mixed batches carry ``encoder_cached`` for their decode rows
+-------------------------------------------------------------------------
+**target**: ``sglang.srt.managers.schedule_batch.ScheduleBatch.mix_with_running`` (AFTER).
+
+**why**: ``--enable-mixed-chunk`` appends the running decode requests to a prefill batch through
+    ``merge_batch``, which concatenates ``encoder_lens`` but not ``encoder_cached``; MOSS-VL's forward indexes
+    ``encoder_cached`` for every request of the batch (which encoders to run, which media to release), so a mixed
+    batch whose prefill part runs an encoder fails with ``IndexError``.
+
+**how**: after mixing, the decode rows get ``encoder_cached = True`` (their encoder K/V is in the pool, exactly
+    what ``prepare_encoder_info_decode`` set on the running batch).
+
+**upstream status / when to remove**: open; remove when ``merge_batch`` concatenates ``encoder_cached``.
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder._select_prefill_admission"
+MIX_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.mix_with_running"
 
 
 def request_encoder_len(req) -> int:
@@ -80,6 +95,12 @@ def keep_encoder_whole(original, adder, req, **kwargs):
     )
 
 
+def mark_decode_rows_encoder_cached(result, batch, running_batch) -> None:
+    """AFTER hook: the decode rows appended by ``mix_with_running`` have their encoders cached."""
+    if batch.encoder_cached is not None:
+        batch.encoder_cached = batch.encoder_cached + [True] * (len(batch.reqs) - len(batch.encoder_cached))
+
+
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.utils import is_cuda
@@ -88,3 +109,4 @@ def register() -> None:
         logger.debug("chunked_prefill: CUDA keeps stock scheduling (MOSS-VL chunked prefill stays off there)")
         return
     HookRegistry.register(TARGET, keep_encoder_whole, HookType.AROUND)
+    HookRegistry.register(MIX_TARGET, mark_decode_rows_encoder_cached, HookType.AFTER)
