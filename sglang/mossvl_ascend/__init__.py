@@ -60,8 +60,9 @@ Chunked prefill (``chunked_prefill``)
  14. A chunk never ends inside (or right at the end of) a request's encoder span: the first chunk holds the
      whole encoder and a text row; too small a budget waits, or, alone in the batch, takes the encoder whole.
      target ``managers.schedule_policy.PrefillAdder._select_prefill_admission`` — hook (issue 12).
- 18. Mixed batches mark their decode rows' encoders cached (``merge_batch`` drops ``encoder_cached``, MOSS-VL's
-     forward then fails with IndexError). target ``managers.schedule_batch.ScheduleBatch.mix_with_running`` — hook.
+ 18. The decode rows of a mixed batch: encoders marked cached (``merge_batch`` drops ``encoder_cached``: IndexError
+     in MOSS-VL's forward) and ``extend_end`` past the encoder (text-only ``seq_lens`` left it short: radix
+     checkpoint assertion). target ``managers.schedule_batch.ScheduleBatch.mix_with_running`` — hook.
 Start-up and NPU guards (``npu_imports``, ``npu_guards``)
   7. Pure-torch ``split_qkv_rmsnorm_rope`` when ``sgl_kernel_npu`` / triton-ascend is incomplete.
      target the module-level import in ``models.qwen3`` (and the Qwen3-ASR adapter) — ``sys.modules`` fallback.

@@ -25,19 +25,25 @@ Catalog entry
 **upstream status / when to remove**: open; remove when sglang's PrefillAdder keeps encoder spans whole
     (and ``is_multimodal_chunked_prefill_supported`` lists MOSS-VL).
 
-Second hook: mixed batches carry ``encoder_cached`` for their decode rows
--------------------------------------------------------------------------
+Second hook: the decode rows of a mixed batch, for encoder-decoder requests
+--------------------------------------------------------------------------
 **target**: ``sglang.srt.managers.schedule_batch.ScheduleBatch.mix_with_running`` (AFTER).
 
-**why**: ``--enable-mixed-chunk`` appends the running decode requests to a prefill batch through
-    ``merge_batch``, which concatenates ``encoder_lens`` but not ``encoder_cached``; MOSS-VL's forward indexes
-    ``encoder_cached`` for every request of the batch (which encoders to run, which media to release), so a mixed
-    batch whose prefill part runs an encoder fails with ``IndexError``.
+**why**: ``--enable-mixed-chunk`` appends the running decode requests to a prefill batch. Two things go wrong
+    for encoder-decoder requests: ``merge_batch`` concatenates ``encoder_lens`` but not ``encoder_cached``, and
+    MOSS-VL's forward indexes ``encoder_cached`` for every request of the batch (which encoders to run, which
+    media to release), so a mixed batch whose prefill part runs an encoder fails with ``IndexError``; and each
+    decode row's ``req.extend_end`` is set from the batch's ``seq_lens``, which for these requests count text
+    only (``prepare_encoder_info_extend`` stripped the encoder), so it lands ``encoder_len`` tokens short of the
+    request's KV and the radix cache's checkpoint of that request asserts
+    (``cache_protected_len <= len(new_indices)``).
 
 **how**: after mixing, the decode rows get ``encoder_cached = True`` (their encoder K/V is in the pool, exactly
-    what ``prepare_encoder_info_decode`` set on the running batch).
+    what ``prepare_encoder_info_decode`` set on the running batch), and their ``extend_end`` is moved past the
+    encoder (request coordinates count the encoder, as for every prefill row).
 
-**upstream status / when to remove**: open; remove when ``merge_batch`` concatenates ``encoder_cached``.
+**upstream status / when to remove**: open; remove when ``merge_batch`` concatenates ``encoder_cached`` and
+    ``mix_with_running`` counts the encoder in a decode row's ``extend_end``.
 """
 
 from __future__ import annotations
@@ -95,10 +101,15 @@ def keep_encoder_whole(original, adder, req, **kwargs):
     )
 
 
-def mark_decode_rows_encoder_cached(result, batch, running_batch) -> None:
-    """AFTER hook: the decode rows appended by ``mix_with_running`` have their encoders cached."""
-    if batch.encoder_cached is not None:
-        batch.encoder_cached = batch.encoder_cached + [True] * (len(batch.reqs) - len(batch.encoder_cached))
+def fix_decode_rows_of_mixed_batch(result, batch, running_batch) -> None:
+    """AFTER hook: the decode rows appended by ``mix_with_running`` have their encoders cached, and their
+    ``extend_end`` counts the encoder."""
+    if batch.encoder_cached is None:
+        return
+    first_decode_row = len(batch.encoder_cached)
+    batch.encoder_cached = batch.encoder_cached + [True] * (len(batch.reqs) - first_decode_row)
+    for req, encoder_len in zip(batch.reqs[first_decode_row:], batch.encoder_lens_cpu[first_decode_row:]):
+        req.extend_end += encoder_len
 
 
 def register() -> None:
@@ -109,4 +120,4 @@ def register() -> None:
         logger.debug("chunked_prefill: CUDA keeps stock scheduling (MOSS-VL chunked prefill stays off there)")
         return
     HookRegistry.register(TARGET, keep_encoder_whole, HookType.AROUND)
-    HookRegistry.register(MIX_TARGET, mark_decode_rows_encoder_cached, HookType.AFTER)
+    HookRegistry.register(MIX_TARGET, fix_decode_rows_of_mixed_batch, HookType.AFTER)
