@@ -175,25 +175,35 @@ def mixed(checkpoint, reference, unchunked, one_row):
     return {"served": served, "batches": batches, "load": load, "load_batches": load_batches, "streamed": streamed}
 
 
+RETRACT_CONFIGS = {
+    # Chunked, radix cache on: a resumed request finds its encoder (and prompt) in the cache.
+    "chunk16_radix": ["--chunked-prefill-size", "16"],
+    # Radix cache off (the NPU default; chunked prefill then stays off): a resumed request re-runs its encoder.
+    "no_radix": ["--disable-radix-cache"],
+}
+
+
 @pytest.fixture(scope="module")
 def retracting(checkpoint, reference, unchunked, one_row, mixed):
-    """The parity cases at once on a chunk-16 server that retracts a running request every 3 forwards.
+    """The parity cases at once on servers that retract a running request every 3 forwards.
 
     ``SGLANG_TEST_RETRACT=1`` is sglang's own switch: the scheduler calls the real ``ScheduleBatch.retract_decode``
     every ``SGLANG_TEST_RETRACT_INTERVAL`` (3) forwards, which frees a decoding request's KV (encoder included,
-    nothing kept in the radix cache) and re-queues it; it is prefilled again (in chunks) with its output so far.
+    nothing kept in the radix cache) and re-queues it; it is prefilled again with its output so far.
     """
+    results = {}
     with pytest.MonkeyPatch.context() as env:
         env.setenv("SGLANG_TEST_RETRACT", "1")
-        flags = BASE_ARGS + ["--chunked-prefill-size", "16"]
-        with SglangServer(checkpoint, extra_args=flags, name="chunked-retract") as server:
-            client, model_name = openai_client(server)
-            with ThreadPoolExecutor(max_workers=len(PARITY_ORDER)) as pool:
-                futures = {name: pool.submit(served_ids, client, model_name, CASES[name]) for name in PARITY_ORDER}
-                served = {name: future.result() for name, future in futures.items()}
-            log = server.log_path.read_text(errors="replace")
-    retracted = [int(n) for n in re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", log)]
-    return {"served": served, "retracted": retracted}
+        for name, flags in RETRACT_CONFIGS.items():
+            with SglangServer(checkpoint, extra_args=BASE_ARGS + flags, name=f"retract-{name}") as server:
+                client, model_name = openai_client(server)
+                with ThreadPoolExecutor(max_workers=len(PARITY_ORDER)) as pool:
+                    futures = {case: pool.submit(served_ids, client, model_name, CASES[case]) for case in PARITY_ORDER}
+                    served = {case: future.result() for case, future in futures.items()}
+                log = server.log_path.read_text(errors="replace")
+            retracted = [int(n) for n in re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", log)]
+            results[name] = {"served": served, "retracted": retracted}
+    return results
 
 
 def assert_parity(served, reference):
@@ -256,6 +266,7 @@ def test_long_and_short_requests_at_once_equal_the_reference_and_short_ttft_is_r
     print("chunked serving figures:", json.dumps(figures))
 
 
-def test_retracted_requests_resume_with_the_reference_tokens(retracting, reference):
-    assert sum(retracting["retracted"]) >= 3, retracting["retracted"]  # real retractions happened
-    assert_parity(retracting["served"], reference)
+@pytest.mark.parametrize("config", list(RETRACT_CONFIGS))
+def test_retracted_requests_resume_with_the_reference_tokens(retracting, reference, config):
+    assert sum(retracting[config]["retracted"]) >= 3, retracting[config]["retracted"]  # real retractions happened
+    assert_parity(retracting[config]["served"], reference)

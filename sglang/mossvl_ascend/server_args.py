@@ -40,15 +40,17 @@ Catalog entry
       backend construction and silently rewriting a user's environment hides the conflict.
     * CPU: ``attention_backend`` resolves to ``torch_native`` unless the user chose any
       attention backend; no flashinfer assertion.
-    * NPU and CPU: chunked prefill stays on. Stock ``handle_model_capability_adjustments`` forces
-      ``chunked_prefill_size = -1`` for every model ``is_multimodal_chunked_prefill_supported`` lists
+    * NPU and CPU, with the radix cache on: chunked prefill stays on. Stock
+      ``handle_model_capability_adjustments`` forces ``chunked_prefill_size = -1`` for every model ``is_multimodal_chunked_prefill_supported`` lists
       (MOSS-VL among them) because a chunk cut could split the encoder span; here the scheduler never
       does (:mod:`mossvl_ascend.chunked_prefill`) and every chunk gets its own frame-causal rows
       (:mod:`mossvl_ascend.compact_visibility`). So the resolution's memoized ``ModelConfig`` is marked
       as supporting it before that stock check runs (the provider runs earlier in the same pipeline):
       ``--chunked-prefill-size N`` is kept, and without it the device default stock chooses (8192 on
       a 64 GiB NPU) applies. ``--enable-mixed-chunk`` then works too (mixed batches are routed through
-      the encoder-aware math: ``ascend_backend`` / ``cpu_attention``).
+      the encoder-aware math: ``ascend_backend`` / ``cpu_attention``). With the radix cache disabled (the NPU
+      default, or ``--disable-radix-cache``) chunked prefill stays off with one log line: a continuing chunk of
+      an encoder request then fails ``prepare_encoder_info_extend``'s size check (measured on CPU; not fixed yet).
 
 **upstream status / when to remove**: open. Remove when upstream
     ``arg_groups/model_overrides/moss_vl.py`` accepts non-flashinfer backends that consume
@@ -173,8 +175,15 @@ def moss_vl_provider_around(
 
         declare = _DECLARATIONS_BY_DEVICE.get(resolving_view(server_args).device)
         if declare is not None:
-            keep_chunked_prefill(server_args)
-            return declare(server_args)
+            declared = declare(server_args)
+            if declared.get("disable_radix_cache") or resolving_view(server_args).disable_radix_cache:
+                logger.warning(
+                    "MOSS-VL: chunked prefill stays off: with the prefix cache disabled a continuing chunk of a "
+                    "request with vision input is not supported yet."
+                )
+            else:
+                keep_chunked_prefill(server_args)
+            return declared
     return original(fn, server_args, hf_config)
 
 
