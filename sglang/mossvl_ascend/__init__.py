@@ -18,9 +18,9 @@ Server arguments (``server_args``)
      radix cache off with one log line unless ``MOSSVL_NPU_ENABLE_RADIX_CACHE=1``, decode graphs off,
      ``ASCEND_USE_FIA``/``ASCEND_USE_FA`` refused; ``--device cpu``: torch_native.
      target ``arg_groups.model_override_base._invoke_provider`` — hook.
- 13. MOSS-VL keeps chunked prefill on npu / cpu (stock forces ``chunked_prefill_size = -1``): the memoized
-     ``ModelConfig`` is marked ``is_multimodal_chunked_prefill_supported`` before stock's capability check.
-     same target — hook (issue 12).
+ 13. MOSS-VL keeps chunked prefill on npu / cpu when the radix cache is on (stock forces
+     ``chunked_prefill_size = -1``): the memoized ``ModelConfig`` is marked ``is_multimodal_chunked_prefill_supported``
+     before stock's capability check; with the radix cache off it stays off (one log line). same target — hook.
 Attention (``native_attention``, ``ascend_backend``, ``cpu_attention``, ``compact_visibility``,
 ``frame_causal_attention``)
   2. Cross-attention mask built on every extend whatever the prefill backend.
