@@ -5,9 +5,12 @@ The bench preset (random weights, ~154M parameters) is served on CPU and measure
 request, fixed input/output lengths, EOS ignored, greedy, ``--flush-cache``) at concurrency 1 and 8, several
 runs each (after one unmeasured warmup pass); the table shows medians over runs. Then the TTFT of a second
 conversation turn (the first turn repeated, plus a question) with the first turn in the radix cache and, on the
-same server right after ``/flush_cache``, without it. Last, with every server stopped (an idle sglang
-scheduler busy-spins a core), the same requests (regenerated in-process from the same seed by sglang's image dataset) go one after another
-through the reference transformers model, timed end to end including image decoding and the processor.
+same server right after ``/flush_cache``, without it. Then a second server with chunked prefill and mixed
+chunks (``--chunked-prefill-size N --enable-mixed-chunk``; the first one runs unchunked, ``--chunked-prefill-size
+-1``) runs the same bench_serving passes at the chunked concurrency, side by side in the table (issue 12).
+Last, with every server stopped (an idle sglang scheduler busy-spins a core), the same requests (regenerated
+in-process from the same seed by sglang's image dataset) go one after another through the reference transformers
+model, timed end to end including image decoding and the processor.
 
 Run (CPU): make bench-serving   (or: $(CPU_ENV) .venv/bin/python -m benchmarks.bench_serving --help)
 """
@@ -52,13 +55,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3, help="bench_serving runs per concurrency (medians)")
     parser.add_argument("--turn2-reps", type=int, default=5, help="two-turn conversations; turn 2 of each is sent cached, then flushed")
     parser.add_argument("--seed", type=int, default=42, help="bench_serving's --seed; the reference regenerates the same requests")
+    parser.add_argument("--chunk-size", type=int, default=64,
+                        help="chunked-prefill size of the chunked + mixed-chunk server (0: skip it); 64 cuts each "
+                             "~100-token prompt of this workload into 2-3 chunks on this 2-core machine")
+    parser.add_argument("--chunked-concurrency", type=int, nargs="+", default=[8], help="concurrencies run chunked")
     parser.add_argument("--server-arg", action="append", default=[], help="extra launch_server flag (repeatable)")
     return parser.parse_args(argv)
 
 
-def server_args(args: argparse.Namespace) -> list[str]:
+def server_args(args: argparse.Namespace, chunk_size: int = -1) -> list[str]:
     # CPU serving needs fp32; bench_serving sends its own warmup request, so the server's is skipped.
-    return ["--dtype", "float32", "--skip-server-warmup", *args.server_arg]
+    # Unchunked: an explicit -1 makes stock CPU memory resolution compute a negative --mem-fraction-static (it
+    # sizes activation memory from the chunk size), so the value stock resolves with its default chunk is given.
+    chunking = ["--chunked-prefill-size", str(chunk_size)]
+    chunking += ["--enable-mixed-chunk"] if chunk_size > 0 else ["--mem-fraction-static", "0.71"]
+    return ["--dtype", "float32", "--skip-server-warmup", *chunking, *args.server_arg]
+
+
+def bench_runs(server: SglangServer, model: Path, args: argparse.Namespace, concurrencies: list[int], output_file: Path,
+               label: str) -> dict[int, list[dict]]:
+    """An unmeasured warmup pass, then ``args.runs`` bench_serving runs per concurrency."""
+    # Unmeasured pass: the first requests of a server compile sglang's torch.compile'd vision helpers.
+    warmup = argparse.Namespace(**{**vars(args), "num_prompts": max(concurrencies)})
+    run_bench_serving(server, model, warmup, max(concurrencies), OUT_DIR / "warmup.jsonl")
+    runs: dict[int, list[dict]] = {}
+    for concurrency in concurrencies:
+        for run in range(args.runs):
+            result = run_bench_serving(server, model, args, concurrency, output_file)
+            runs.setdefault(concurrency, []).append(result)
+            logger.info("%s c=%d run %d: %.2f req/s, %.1f out tok/s", label, concurrency, run + 1,
+                        result["request_throughput"], result["output_throughput"])
+    return runs
 
 
 def run_bench_serving(server: SglangServer, model: Path, args: argparse.Namespace, concurrency: int, output_file: Path) -> dict:
@@ -215,24 +242,22 @@ def main(argv: list[str] | None = None) -> int:
     output_file = OUT_DIR / f"results-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     turn2_rows = image_requests(model, argparse.Namespace(**{**vars(args), "num_prompts": args.turn2_reps}), args.seed + 1)
 
-    runs: dict[int, list[dict]] = {}
     with SglangServer(model, extra_args=server_args(args), name="bench-serving") as server:
         startup_radix_on = server.startup_seconds
-        # Unmeasured pass: the first requests of a server compile sglang's torch.compile'd vision helpers.
-        warmup = argparse.Namespace(**{**vars(args), "num_prompts": max(args.concurrency)})
-        run_bench_serving(server, model, warmup, max(args.concurrency), OUT_DIR / "warmup.jsonl")
-        for concurrency in args.concurrency:
-            for run in range(args.runs):
-                result = run_bench_serving(server, model, args, concurrency, output_file)
-                runs.setdefault(concurrency, []).append(result)
-                logger.info("c=%d run %d: %.2f req/s, %.1f out tok/s", concurrency, run + 1,
-                            result["request_throughput"], result["output_throughput"])
+        runs = bench_runs(server, model, args, args.concurrency, output_file, "unchunked")
         server_input_tokens = runs[args.concurrency[0]][0]["total_input_tokens"] / args.num_prompts
         ttft_on, ttft_off = turn2_ttfts(server, turn2_rows, args.output_len)
+    chunked_runs: dict[int, list[dict]] = {}
+    if args.chunk_size > 0:
+        chunked_flags = server_args(args, args.chunk_size)
+        with SglangServer(model, extra_args=chunked_flags, name="bench-serving-chunked") as server:
+            chunked_runs = bench_runs(server, model, args, args.chunked_concurrency, output_file, "chunked")
 
     reference = reference_sequential(model, image_requests(model, args, args.seed), args.output_len)
     reference_rps = reference["request_throughput"]
     table_rows = [(f"sglang c={c} (median of {len(r)})", median_over_runs(r)) for c, r in runs.items()]
+    table_rows += [(f"sglang c={c} chunked {args.chunk_size} + mixed (median of {len(r)})", median_over_runs(r))
+                   for c, r in chunked_runs.items()]
     table_rows.append(("reference sequential", reference))
 
     print(f"\nmodel {model}; {args.num_prompts} requests, 1 random {args.image_resolution} PNG + {args.input_len} text "
@@ -240,16 +265,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prompt tokens per request (incl. vision, chat template): server {server_input_tokens:.1f}, "
           f"reference {reference['mean_input_tokens']:.1f}; server start {startup_radix_on:.1f} s")
     print(format_table(table_rows, reference_rps))
-    for concurrency, results in runs.items():
-        print(f"  c={concurrency} runs req/s: " + ", ".join(f"{r['request_throughput']:.2f}" for r in results))
+    for label, by_concurrency in (("unchunked", runs), (f"chunked {args.chunk_size}", chunked_runs)):
+        for concurrency, results in by_concurrency.items():
+            print(f"  {label} c={concurrency} runs req/s: "
+                  + ", ".join(f"{r['request_throughput']:.2f}" for r in results))
     on, off = statistics.median(ttft_on) * 1000, statistics.median(ttft_off) * 1000
     print(f"turn-2 TTFT (median of {args.turn2_reps}): turn 1 in the radix cache {on:.1f} ms, cache flushed {off:.1f} ms, "
           f"off/on {off / on:.2f}x")
     print(f"raw bench_serving results: {output_file}")
     print(f"benchmark wall time {time.perf_counter() - wall_started:.0f} s")
     ratios = {c: statistics.median(r["request_throughput"] for r in runs[c]) / reference_rps for c in runs}
+    chunked_c8 = median_over_runs(chunked_runs[8]) if 8 in chunked_runs else None
+    unchunked_c8 = median_over_runs(runs[8]) if 8 in runs else None
+    chunked_result = ""
+    if chunked_c8 and unchunked_c8:
+        rps_ratio = chunked_c8["request_throughput"] / unchunked_c8["request_throughput"]
+        p99_ratio = chunked_c8["p99_ttft_ms"] / unchunked_c8["p99_ttft_ms"]
+        chunked_result = (f" c8_chunked_over_unchunked_rps={rps_ratio:.2f}"
+                          f" c8_ttft_p99_chunked_over_unchunked={p99_ratio:.2f}")
     print(f"RESULT c8_vs_ref={ratios.get(8, float('nan')):.2f} c1_vs_ref={ratios.get(1, float('nan')):.2f} "
-          f"turn2_ttft_radix_off_over_on={off / on:.2f}")
+          f"turn2_ttft_radix_off_over_on={off / on:.2f}{chunked_result}")
     return 0
 
 

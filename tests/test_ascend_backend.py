@@ -251,3 +251,58 @@ def test_entry_point_load_without_torch_npu_skips_ascend_backend():
         "torch_native_decode": True,
         "ascend_imported": False,
     }
+
+
+# ---- mixed batches (--enable-mixed-chunk): decode rows ride in a prefill batch
+
+
+@pytest.fixture
+def npu_dispatch(monkeypatch):
+    """``AttentionBackend.forward`` as on an NPU: MIXED batches go to ``forward_mixed``."""
+    import sglang.srt.layers.attention.base_attn_backend as base
+
+    monkeypatch.setattr(base, "is_npu", lambda: True)
+
+
+def mixed_forward_batch(batch, mask):
+    return make_forward_batch(
+        batch, ForwardMode.MIXED, out_cache_loc=new_text_slots(batch),
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=mask,
+    )  # fmt: skip
+
+
+def run_cross_and_self(backend, pool, req_to_token_pool):
+    batch = build_batch(example_requests(), *ROUTE_HEADS)
+    new_slots = new_text_slots(batch)
+    load_batch_into_pools(batch, pool, req_to_token_pool, except_slots=[new_slots])
+    cross, self_attn = make_layers()
+    new_k = torch.cat([k[r.prefix_len :] for r, k in zip(batch.requests, batch.text_k)])
+    new_v = torch.cat([v[r.prefix_len :] for r, v in zip(batch.requests, batch.text_v)])
+    forward_batch = mixed_forward_batch(batch, batch.packed_mask())
+    self_out = backend.forward(batch.query.flatten(1), new_k, new_v, self_attn, forward_batch)
+    cross_batch = build_batch([example_requests()[i] for i in (2, 1, 3)], *ROUTE_HEADS)
+    load_batch_into_pools(cross_batch, pool, req_to_token_pool)
+    cross_out = backend.forward(
+        cross_batch.query.flatten(1), None, None, cross, mixed_forward_batch(cross_batch, cross_batch.packed_mask())
+    )
+    self_expected = reference_self_extend(batch, SCALE)
+    cross_expected = reference_cross_extend(cross_batch, SCALE)
+    return (self_out, self_expected), (cross_out, cross_expected)
+
+
+def test_mixed_batches_take_the_encoder_aware_math(hooked, npu_dispatch):
+    ascend_module, memory_pool_npu = hooked
+    pool, req_to_token_pool = make_npu_pool(memory_pool_npu), make_req_to_token_pool()
+    backend = make_ascend_backend(ascend_module, pool, req_to_token_pool)
+    for out, expected in run_cross_and_self(backend, pool, req_to_token_pool):
+        torch.testing.assert_close(out.view_as(expected), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_stock_forward_mixed_is_the_fused_path(npu_modules, npu_dispatch):
+    """Why the hook exists: unhooked, a MIXED MOSS-VL batch reaches the fused NPU kernel, which has no encoder
+    argument (neither the stand-in nor torch's op registry on this machine provides it: it raises)."""
+    ascend_module, memory_pool_npu = npu_modules
+    pool, req_to_token_pool = make_npu_pool(memory_pool_npu), make_req_to_token_pool()
+    backend = make_ascend_backend(ascend_module, pool, req_to_token_pool)
+    with pytest.raises((NotImplementedError, AttributeError), match="npu_fused_infer_attention_score"):
+        run_cross_and_self(backend, pool, req_to_token_pool)

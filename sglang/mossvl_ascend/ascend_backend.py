@@ -59,11 +59,13 @@ PATCHES = tuple(
             "a batch with `forward_batch.encoder_lens` on a non-MLA model in eager mode runs "
             "`attention.sglang_layer.encoder_decoder_attention`: KV write through the pool's `set_kv_buffer` "
             "(encoder slots for cross-attention layers, nothing when k/v are None), then the batched attention core "
-            "with this forward's metadata (decode: every token sees all frames). Other batches, MLA models and "
-            "graph replay go to the stock method (graph decode is off for MOSS-VL)."
+            "with this forward's metadata (decode: every token sees all frames; a mixed batch (`--enable-mixed-chunk`) "
+            "is an extend whose decode rows are one-row extends, instead of the fused `forward_mixed` that ignores "
+            "the encoder). Other batches, MLA models and graph replay go to the stock method (graph decode is off "
+            "for MOSS-VL)."
         ),
         upstream="not upstream in 0.5.23",
         remove_when="`forward_extend` passes MOSS-VL's visibility and encoder batches cannot reach the FIA/FA branches",
     )
-    for mode in ("extend", "decode")
+    for mode in ("extend", "decode", "mixed")
 )

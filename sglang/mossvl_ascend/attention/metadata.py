@@ -31,6 +31,18 @@ from mossvl_ascend.attention.blocks import (
 FORWARD_BATCH_ATTRIBUTE = "mossvl_attention_metadata"
 
 
+def visible_frames_of_rows(visible_frame_counts: torch.Tensor, text_offset: int, q_len: int) -> torch.Tensor:
+    """Visible-frame count of text rows ``[text_offset, text_offset + q_len)`` of one request.
+
+    Rows past the end of ``visible_frame_counts`` see its last entry: generated tokens (decode rows of a mixed
+    batch, a retracted request's outputs prefilled again) inherit the last prompt row's visibility, as HF copies
+    the previous row's ``cross_attention_mask`` to each new token; a tensor stock shrank to its last element
+    therefore means "every row sees that many frames".
+    """
+    rows = torch.arange(text_offset, text_offset + q_len, device=visible_frame_counts.device)
+    return visible_frame_counts[rows.clamp_(max=visible_frame_counts.numel() - 1)]
+
+
 def request_row_boundaries(mm_input, text_offset: int, q_len: int, encoder_len: int, spatial_merge_size: int, device):
     """Boundaries (int32 ``[q_len]``) of one request's new rows, text rows ``[text_offset, text_offset + q_len)``.
 
@@ -43,7 +55,7 @@ def request_row_boundaries(mm_input, text_offset: int, q_len: int, encoder_len: 
     if counts is None or grid_thw is None:
         return torch.full((q_len,), encoder_len, dtype=torch.int32, device=device)
     frame_ends = frame_ends_from_grid_thw(grid_thw, spatial_merge_size)
-    rows = counts[text_offset : text_offset + q_len].to(device)
+    rows = visible_frames_of_rows(counts, text_offset, q_len).to(device)
     return encoder_boundaries_from_visible_frames(rows, frame_ends, encoder_len)
 
 

@@ -1,0 +1,272 @@
+"""MOSS-VL served with chunked prefill and mixed chunks: token-exact against the reference model (fp32).
+
+Stock ``python -m sglang.launch_server`` + the plugin on CPU, tiny checkpoint (encoders of 5-17 tokens, prompts of
+23-86 text rows; the long prompts below have ~300). Three servers, one at a time (an idle sglang scheduler keeps a
+core busy):
+
+* ``--chunked-prefill-size -1`` (unchunked): the baseline for prompt logprobs and short-request TTFT;
+* ``--chunked-prefill-size 1``: the first chunk of a vision request is its encoder plus one text row (the cut
+  right after the encoder: a chunk never ends inside or right at the end of an encoder), then one-row chunks;
+* ``--chunked-prefill-size 16 --enable-mixed-chunk``: cuts through the middle of each question, and the decode
+  rows of running requests ride in the same forward as a prefill chunk.
+
+Oracle: greedy ids of the reference transformers model in fp32 (computed before any server starts). The server
+log must show the chunks (prefill batch sizes), so silently disabled chunking fails.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from openai import OpenAI
+
+from serving.launch import REPO_ROOT, SglangServer
+from serving_support import ASSETS, CASES, GREEDY, MAX_TOKENS, load_reference, reference_ids, served_ids, to_openai
+
+pytestmark = pytest.mark.timeout(1800)
+
+PARITY_ORDER = ["image_data_url", "two_images", "three_turns", "video", "text_only", "same_images_shifted"]
+# Prompt logprobs go through the native /generate endpoint with the rendered prompt ids, which accepts images but
+# not a video without its <|video|> placeholder text; the video case is covered by the token parity.
+LOGPROB_CASES = [name for name in PARITY_ORDER if name != "video"]
+BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup"]
+# An explicit -1 makes stock CPU memory resolution compute a negative --mem-fraction-static (it sizes activation
+# memory from the chunk size); the value stock resolves with its default chunk size is given instead.
+UNCHUNKED = ["--chunked-prefill-size", "-1", "--mem-fraction-static", "0.71"]
+ONE_ROW = ["--chunked-prefill-size", "1"]
+MID_QUESTION_MIXED = ["--chunked-prefill-size", "16", "--enable-mixed-chunk"]
+PREFILL_LINE = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+),.*?#running-req: (\d+)")
+FIGURES = REPO_ROOT / "build" / "serving_chunked_figures.json"
+
+
+def long_question(i: int) -> str:
+    words = " ".join(f"detail {k} of scene {i}" for k in range(40 + 5 * i))
+    return f"Question {i}: look closely at every frame and list each {words}. What changes?"
+
+
+def long_case(i: int) -> list[dict]:
+    media = (
+        {"type": "video", "video": str(ASSETS / "moving_square_3s.mp4")}
+        if i % 2 == 0
+        else {"type": "image", "image": str(ASSETS / "gradient_96x64.png")}
+    )
+    return [{"role": "user", "content": [media, {"type": "text", "text": long_question(i)}]}]
+
+
+def short_case(i: int) -> list[dict]:
+    if i % 2 == 0:
+        return [{"role": "user", "content": f"Say hi number {i}."}]
+    return [{"role": "user", "content": [
+        {"type": "image", "image": str(ASSETS / "square_64.png")}, {"type": "text", "text": f"Short look {i}?"},
+    ]}]  # fmt: skip
+
+
+LOAD = {f"long{i}": long_case(i) for i in range(8)} | {f"short{i}": short_case(i) for i in range(8)}
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    model, processor = load_reference(checkpoint)
+    cases = {name: CASES[name] for name in PARITY_ORDER} | LOAD
+    return {name: reference_ids(model, processor, messages) for name, messages in cases.items()}
+
+
+def openai_client(server) -> tuple[OpenAI, str]:
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=600)
+    return client, client.models.list().data[0].id
+
+
+def prefill_batches(server) -> list[tuple[int, int, int]]:
+    """(#new-seq, #new-token, #running-req) of every prefill batch the server logged."""
+    return [tuple(map(int, m.groups())) for m in PREFILL_LINE.finditer(server.log_path.read_text(errors="replace"))]
+
+
+def prompt_logprobs(server, client, model_name, messages) -> list[float]:
+    """Logprobs of every prompt token (native ``/generate`` on the prompt the chat endpoint rendered)."""
+    prompt_ids = served_ids(client, model_name, messages, max_tokens=1)["prompt_ids"]
+    media = [part for m in to_openai(messages) if isinstance(m["content"], list) for part in m["content"]]
+    body = {
+        "input_ids": prompt_ids,
+        "image_data": [p["image_url"]["url"] for p in media if p["type"] == "image_url"] or None,
+        "video_data": [p["video_url"]["url"] for p in media if p["type"] == "video_url"] or None,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    response = requests.post(f"{server.base_url}/generate", json=body, timeout=600)
+    response.raise_for_status()
+    return [entry[0] for entry in response.json()["meta_info"]["input_token_logprobs"] if entry[0] is not None]
+
+
+def streamed_ttft(client, model_name, messages) -> tuple[float, str]:
+    """(seconds to the first content chunk, full text) of one streamed greedy completion."""
+    started = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model_name, messages=to_openai(messages), **GREEDY, stream=True, extra_body={"ignore_eos": True}
+    )
+    first, pieces = None, []
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content:
+                first = first if first is not None else time.perf_counter() - started
+                pieces.append(choice.delta.content)
+    return first, "".join(pieces)
+
+
+def run_load(client, model_name, call) -> dict:
+    """All 16 long and short requests at once (long ones first in the queue)."""
+    with ThreadPoolExecutor(max_workers=len(LOAD)) as pool:
+        futures = {name: pool.submit(call, client, model_name, messages) for name, messages in LOAD.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def flush_radix_cache(server) -> None:
+    response = requests.post(f"{server.base_url}/flush_cache?timeout=60", timeout=120)
+    response.raise_for_status()
+
+
+def short_ttft_median(results: dict) -> float:
+    return statistics.median(results[f"short{i}"][0] for i in range(8))
+
+
+@pytest.fixture(scope="module")
+def unchunked(checkpoint, reference):
+    """Baseline figures of the unchunked server: prompt logprobs per case, short-request TTFT under load."""
+    with SglangServer(checkpoint, extra_args=BASE_ARGS + UNCHUNKED, name="chunked-baseline") as server:
+        client, model_name = openai_client(server)
+        logprobs = {name: prompt_logprobs(server, client, model_name, CASES[name]) for name in LOGPROB_CASES}
+        load = run_load(client, model_name, streamed_ttft)
+        batches = prefill_batches(server)
+    return {"logprobs": logprobs, "load": load, "batches": batches}
+
+
+def served_cases(client, model_name) -> dict:
+    return {name: served_ids(client, model_name, CASES[name]) for name in PARITY_ORDER}
+
+
+@pytest.fixture(scope="module")
+def one_row(checkpoint, reference, unchunked):
+    """Everything measured on the one-row-chunk server (it is stopped before the next server starts)."""
+    with SglangServer(checkpoint, extra_args=BASE_ARGS + ONE_ROW, name="chunked-one-row") as server:
+        client, model_name = openai_client(server)
+        served = served_cases(client, model_name)
+        batches = prefill_batches(server)
+        logprobs = {name: prompt_logprobs(server, client, model_name, CASES[name]) for name in LOGPROB_CASES}
+    return {"served": served, "batches": batches, "logprobs": logprobs}
+
+
+@pytest.fixture(scope="module")
+def mixed(checkpoint, reference, unchunked, one_row):
+    """Everything measured on the chunk-16 + mixed-chunk server."""
+    with SglangServer(checkpoint, extra_args=BASE_ARGS + MID_QUESTION_MIXED, name="chunked-mixed") as server:
+        client, model_name = openai_client(server)
+        served = served_cases(client, model_name)
+        batches = prefill_batches(server)
+        load = run_load(client, model_name, lambda c, m, messages: served_ids(c, m, messages))
+        load_batches = prefill_batches(server)[len(batches):]
+        flush_radix_cache(server)  # the TTFT round starts cold, as on the unchunked server
+        streamed = run_load(client, model_name, streamed_ttft)
+    return {"served": served, "batches": batches, "load": load, "load_batches": load_batches, "streamed": streamed}
+
+
+RETRACT_CONFIGS = {
+    # Chunked, radix cache on: a resumed request finds its encoder (and prompt) in the cache.
+    "chunk16_radix": ["--chunked-prefill-size", "16"],
+    # Radix cache off (the NPU default; chunked prefill then stays off): a resumed request re-runs its encoder.
+    "no_radix": ["--disable-radix-cache"],
+}
+
+
+@pytest.fixture(scope="module")
+def retracting(checkpoint, reference, unchunked, one_row, mixed):
+    """The parity cases at once on servers that retract a running request every 3 forwards.
+
+    ``SGLANG_TEST_RETRACT=1`` is sglang's own switch: the scheduler calls the real ``ScheduleBatch.retract_decode``
+    every ``SGLANG_TEST_RETRACT_INTERVAL`` (3) forwards, which frees a decoding request's KV (encoder included,
+    nothing kept in the radix cache) and re-queues it; it is prefilled again with its output so far.
+    """
+    results = {}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SGLANG_TEST_RETRACT", "1")
+        for name, flags in RETRACT_CONFIGS.items():
+            with SglangServer(checkpoint, extra_args=BASE_ARGS + flags, name=f"retract-{name}") as server:
+                client, model_name = openai_client(server)
+                with ThreadPoolExecutor(max_workers=len(PARITY_ORDER)) as pool:
+                    futures = {case: pool.submit(served_ids, client, model_name, CASES[case]) for case in PARITY_ORDER}
+                    served = {case: future.result() for case, future in futures.items()}
+                log = server.log_path.read_text(errors="replace")
+            retracted = [int(n) for n in re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", log)]
+            results[name] = {"served": served, "retracted": retracted}
+    return results
+
+
+def assert_parity(served, reference):
+    for name in PARITY_ORDER:
+        assert served[name]["prompt_ids"] == reference[name][0], name
+        assert len(served[name]["completion_ids"]) == MAX_TOKENS
+        assert served[name]["completion_ids"] == reference[name][1], name
+
+
+def test_unchunked_baseline_prefills_each_prompt_whole(unchunked, reference):
+    # The three-turn prompt (86 text rows + a 17-token encoder) went in one prefill.
+    assert max(tokens for _, tokens, _ in unchunked["batches"]) >= len(reference["three_turns"][0]) + 17
+
+
+def test_one_row_chunks_equal_the_reference_and_the_log_shows_them(one_row, reference):
+    assert_parity(one_row["served"], reference)
+    tokens = [t for _, t, _ in one_row["batches"]]
+    # Each vision request: one first chunk = encoder + 1 row (16 for the video, 18 for three turns), then
+    # one-row chunks; text-only requests are all one-row chunks.
+    assert 16 in tokens and 18 in tokens
+    text_rows_after_the_first = sum(len(reference[name][0]) for name in PARITY_ORDER) - len(PARITY_ORDER)
+    assert tokens.count(1) >= 0.8 * text_rows_after_the_first  # (a few rows may come from the radix cache)
+    assert max(tokens) <= 18
+
+
+def test_one_row_chunks_give_the_unchunked_prompt_logprobs(one_row, unchunked):
+    for name in LOGPROB_CASES:
+        chunked, baseline = one_row["logprobs"][name], unchunked["logprobs"][name]
+        assert len(chunked) == len(baseline) > 10, name
+        assert max(abs(a - b) for a, b in zip(chunked, baseline)) <= 1e-5, name
+
+
+def test_mid_question_chunks_with_mixed_batches_equal_the_reference(mixed, reference):
+    assert_parity(mixed["served"], reference)
+    tokens = [t for _, t, _ in mixed["batches"]]
+    assert tokens.count(16) >= len(PARITY_ORDER)  # every prompt (>= 23 rows) was cut at 16 at least once
+    assert max(tokens) <= 18  # the three-turn encoder (17) + 1 row may exceed the budget, nothing else
+
+
+def test_long_and_short_requests_at_once_equal_the_reference_and_short_ttft_is_reported(mixed, reference, unchunked):
+    for name, result in mixed["load"].items():
+        assert result["completion_ids"] == reference[name][1], name
+    # Prefill chunks ran while other requests were decoding (with --enable-mixed-chunk they share the forward).
+    assert any(running > 0 for _, _, running in mixed["load_batches"])
+    for name, (_, text) in mixed["streamed"].items():
+        assert text == unchunked["load"][name][1], name
+    figures = {
+        "short_ttft_median_s": {
+            "unchunked": short_ttft_median(unchunked["load"]),
+            "chunk16_mixed": short_ttft_median(mixed["streamed"]),
+        },
+        "long_ttft_median_s": {
+            "unchunked": statistics.median(unchunked["load"][f"long{i}"][0] for i in range(8)),
+            "chunk16_mixed": statistics.median(mixed["streamed"][f"long{i}"][0] for i in range(8)),
+        },
+        "long_prompt_rows": [len(reference[f"long{i}"][0]) for i in range(8)],
+    }
+    FIGURES.parent.mkdir(parents=True, exist_ok=True)
+    FIGURES.write_text(json.dumps(figures, indent=2))
+    print("chunked serving figures:", json.dumps(figures))
+
+
+@pytest.mark.parametrize("config", list(RETRACT_CONFIGS))
+def test_retracted_requests_resume_with_the_reference_tokens(retracting, reference, config):
+    assert sum(retracting[config]["retracted"]) >= 3, retracting[config]["retracted"]  # real retractions happened
+    assert_parity(retracting[config]["served"], reference)
