@@ -100,11 +100,7 @@ def dense_attention(requests, packed: torch.Tensor) -> list[torch.Tensor]:
         size = r.text_len * r.encoder_len
         visible = packed[offset : offset + size].view(r.text_len, r.encoder_len).bool()
         offset += size
-        outs.append(
-            scaled_dot_product_attention(
-                r.q, r.k, r.v, attn_mask=visible, scale=SCALE, enable_gqa=True
-            )
-        )
+        outs.append(scaled_dot_product_attention(r.q, r.k, r.v, attn_mask=visible, scale=SCALE, enable_gqa=True))
     return outs
 
 
@@ -113,9 +109,7 @@ def boundary_metadata(requests):
     metadata = []
     for r in requests:
         frame_ends = frame_ends_from_grid_thw(r.grid_thw, MERGE)
-        boundaries = encoder_boundaries_from_visible_frames(
-            r.visible_frame_counts, frame_ends, r.encoder_len
-        )
+        boundaries = encoder_boundaries_from_visible_frames(r.visible_frame_counts, frame_ends, r.encoder_len)
         metadata.append((boundaries, plan_frame_causal_blocks(boundaries)))
     return metadata
 
@@ -129,10 +123,7 @@ def boundary_attention(requests, metadata) -> list[torch.Tensor]:
 
 def unmasked_attention(requests) -> list[torch.Tensor]:
     """(c) one unmasked SDPA per request over all rows and all encoder tokens."""
-    return [
-        scaled_dot_product_attention(r.q, r.k, r.v, scale=SCALE, enable_gqa=True)
-        for r in requests
-    ]
+    return [scaled_dot_product_attention(r.q, r.k, r.v, scale=SCALE, enable_gqa=True) for r in requests]
 
 
 def metadata_bytes(metadata) -> int:

@@ -18,23 +18,32 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from openai import OpenAI
+from tests.serving_support import ASSETS, data_url
 
 from serving.launch import SglangServer
-from tests.serving_support import ASSETS, data_url
 
 
 def messages() -> list[dict]:
-    return [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(ASSETS / "square_64.png")}},
-        {"type": "text", "text": "Describe this picture in detail."},
-    ]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(ASSETS / "square_64.png")}},
+                {"type": "text", "text": "Describe this picture in detail."},
+            ],
+        }
+    ]
 
 
 def streamed_tpot(client: OpenAI, model: str, max_tokens: int) -> float:
     """Seconds per output token after the first, of one streamed greedy completion."""
     stamps = []
     stream = client.chat.completions.create(
-        model=model, messages=messages(), max_tokens=max_tokens, temperature=0, stream=True,
+        model=model,
+        messages=messages(),
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     for chunk in stream:

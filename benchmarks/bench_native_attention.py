@@ -29,16 +29,14 @@ import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import weakref  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from dataclasses import dataclass  # noqa: E402
-
 from mossvl_ascend.attention import core  # noqa: E402
 from mossvl_ascend.attention.core import AttentionLayer, attention, per_request_attention  # noqa: E402
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata  # noqa: E402
-
 
 
 @dataclass(frozen=True)
@@ -137,10 +135,19 @@ def measure(shape: Shape, mode: str, batch: int, dtype_name: str, kind: str, rep
             fn()
         counts[name] = counter
     return dict(
-        mode=mode, kind=kind, dtype=dtype_name, batch=batch, context=f"{min(contexts)}-{max(contexts)}",
-        loop_ms=best["loop"] * 1e3, batched_ms=best["batched"] * 1e3, speedup=statistics.median(ratios),
-        loop_ops=counts["loop"].ops, batched_ops=counts["batched"].ops,
-        loop_mib=counts["loop"].peak / 2**20, batched_mib=counts["batched"].peak / 2**20, diff=error,
+        mode=mode,
+        kind=kind,
+        dtype=dtype_name,
+        batch=batch,
+        context=f"{min(contexts)}-{max(contexts)}",
+        loop_ms=best["loop"] * 1e3,
+        batched_ms=best["batched"] * 1e3,
+        speedup=statistics.median(ratios),
+        loop_ops=counts["loop"].ops,
+        batched_ops=counts["batched"].ops,
+        loop_mib=counts["loop"].peak / 2**20,
+        batched_mib=counts["batched"].peak / 2**20,
+        diff=error,
     )
 
 

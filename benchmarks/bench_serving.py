@@ -48,16 +48,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="checkpoint dir (default: build/reuse the bench preset)")
     parser.add_argument("--num-prompts", type=int, default=32, help="requests per run")
-    parser.add_argument("--input-len", type=int, default=64, help="random text tokens per request (before the chat template)")
+    parser.add_argument(
+        "--input-len", type=int, default=64, help="random text tokens per request (before the chat template)"
+    )
     parser.add_argument("--output-len", type=int, default=32, help="generated tokens per request (EOS ignored)")
     parser.add_argument("--image-resolution", default="128x128", help="HxW of the one random PNG per request")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--runs", type=int, default=3, help="bench_serving runs per concurrency (medians)")
-    parser.add_argument("--turn2-reps", type=int, default=5, help="two-turn conversations; turn 2 of each is sent cached, then flushed")
-    parser.add_argument("--seed", type=int, default=42, help="bench_serving's --seed; the reference regenerates the same requests")
-    parser.add_argument("--chunk-size", type=int, default=64,
-                        help="chunked-prefill size of the chunked + mixed-chunk server (0: skip it); 64 cuts each "
-                             "~100-token prompt of this workload into 2-3 chunks on this 2-core machine")
+    parser.add_argument(
+        "--turn2-reps", type=int, default=5, help="two-turn conversations; turn 2 of each is sent cached, then flushed"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=42, help="bench_serving's --seed; the reference regenerates the same requests"
+    )
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=64,
+        help="chunked-prefill size of the chunked + mixed-chunk server (0: skip it); 64 cuts each "
+        "~100-token prompt of this workload into 2-3 chunks on this 2-core machine",
+    )
     parser.add_argument("--chunked-concurrency", type=int, nargs="+", default=[8], help="concurrencies run chunked")
     parser.add_argument("--server-arg", action="append", default=[], help="extra launch_server flag (repeatable)")
     return parser.parse_args(argv)
@@ -72,8 +82,9 @@ def server_args(args: argparse.Namespace, chunk_size: int = -1) -> list[str]:
     return ["--dtype", "float32", "--skip-server-warmup", *chunking, *args.server_arg]
 
 
-def bench_runs(server: SglangServer, model: Path, args: argparse.Namespace, concurrencies: list[int], output_file: Path,
-               label: str) -> dict[int, list[dict]]:
+def bench_runs(
+    server: SglangServer, model: Path, args: argparse.Namespace, concurrencies: list[int], output_file: Path, label: str
+) -> dict[int, list[dict]]:
     """An unmeasured warmup pass, then ``args.runs`` bench_serving runs per concurrency."""
     # Unmeasured pass: the first requests of a server compile sglang's torch.compile'd vision helpers.
     warmup = argparse.Namespace(**{**vars(args), "num_prompts": max(concurrencies)})
@@ -83,22 +94,59 @@ def bench_runs(server: SglangServer, model: Path, args: argparse.Namespace, conc
         for run in range(args.runs):
             result = run_bench_serving(server, model, args, concurrency, output_file)
             runs.setdefault(concurrency, []).append(result)
-            logger.info("%s c=%d run %d: %.2f req/s, %.1f out tok/s", label, concurrency, run + 1,
-                        result["request_throughput"], result["output_throughput"])
+            logger.info(
+                "%s c=%d run %d: %.2f req/s, %.1f out tok/s",
+                label,
+                concurrency,
+                run + 1,
+                result["request_throughput"],
+                result["output_throughput"],
+            )
     return runs
 
 
-def run_bench_serving(server: SglangServer, model: Path, args: argparse.Namespace, concurrency: int, output_file: Path) -> dict:
+def run_bench_serving(
+    server: SglangServer, model: Path, args: argparse.Namespace, concurrency: int, output_file: Path
+) -> dict:
     """One ``python -m sglang.bench_serving`` run against ``server``; returns its JSONL result line."""
     command = [
-        sys.executable, "-m", "sglang.bench_serving",
-        "--backend", "sglang-oai-chat", "--base-url", server.base_url, "--model", str(model),
-        "--dataset-name", "image", "--image-count", "1", "--image-resolution", args.image_resolution,
-        "--image-format", "png", "--image-content", "random",
-        "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
-        "--random-output-len", str(args.output_len), "--random-range-ratio", "1.0",
-        "--max-concurrency", str(concurrency), "--flush-cache", "--seed", str(args.seed),
-        "--disable-tqdm", "--output-file", str(output_file), "--tag", f"c{concurrency}",
+        sys.executable,
+        "-m",
+        "sglang.bench_serving",
+        "--backend",
+        "sglang-oai-chat",
+        "--base-url",
+        server.base_url,
+        "--model",
+        str(model),
+        "--dataset-name",
+        "image",
+        "--image-count",
+        "1",
+        "--image-resolution",
+        args.image_resolution,
+        "--image-format",
+        "png",
+        "--image-content",
+        "random",
+        "--num-prompts",
+        str(args.num_prompts),
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--random-range-ratio",
+        "1.0",
+        "--max-concurrency",
+        str(concurrency),
+        "--flush-cache",
+        "--seed",
+        str(args.seed),
+        "--disable-tqdm",
+        "--output-file",
+        str(output_file),
+        "--tag",
+        f"c{concurrency}",
     ]
     before = output_file.read_text().count("\n") if output_file.exists() else 0
     log_path = OUT_DIR / f"bench_serving-c{concurrency}.log"
@@ -110,8 +158,10 @@ def run_bench_serving(server: SglangServer, model: Path, args: argparse.Namespac
     result = json.loads(lines[-1])
     expected_tokens = args.num_prompts * args.output_len
     if result["completed"] != args.num_prompts or result["total_output_tokens"] != expected_tokens:
-        raise RuntimeError(f"bench_serving completed {result['completed']}/{args.num_prompts} requests, "
-                           f"{result['total_output_tokens']}/{expected_tokens} tokens; see {log_path}")
+        raise RuntimeError(
+            f"bench_serving completed {result['completed']}/{args.num_prompts} requests, "
+            f"{result['total_output_tokens']}/{expected_tokens} tokens; see {log_path}"
+        )
     return result
 
 
@@ -124,9 +174,17 @@ def image_requests(model: Path, args: argparse.Namespace, seed: int) -> list:
     from sglang.benchmark.datasets.image import ImageDataset
 
     dataset = ImageDataset(
-        num_requests=args.num_prompts, image_count=1, input_len=args.input_len, output_len=args.output_len,
-        range_ratio=1.0, image_content="random", image_format="png", image_resolution=args.image_resolution,
-        backend="sglang-oai-chat", random_image_count=False, seed=seed,
+        num_requests=args.num_prompts,
+        image_count=1,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=1.0,
+        image_content="random",
+        image_format="png",
+        image_resolution=args.image_resolution,
+        backend="sglang-oai-chat",
+        random_image_count=False,
+        seed=seed,
     )
     with contextlib.redirect_stdout(io.StringIO()):  # the dataset prints its statistics
         return dataset.load(model_id=str(model))
@@ -143,7 +201,11 @@ def streamed_ttft(client: OpenAI, model: str, messages: list[dict], max_tokens: 
     started = time.perf_counter()
     first_text_at, pieces = None, []
     stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     for chunk in stream:
@@ -174,7 +236,10 @@ def turn2_ttfts(server: SglangServer, rows: list, output_len: int) -> tuple[list
     for row in rows:
         first_turn = chat_messages(row)
         _, answer = streamed_ttft(client, model, first_turn, output_len)
-        second_turn = first_turn + [{"role": "assistant", "content": answer}, {"role": "user", "content": TURN2_QUESTION}]
+        second_turn = first_turn + [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": TURN2_QUESTION},
+        ]
         cached.append(streamed_ttft(client, model, second_turn, output_len)[0])
         flush_cache(server)
         flushed.append(streamed_ttft(client, model, second_turn, output_len)[0])
@@ -194,8 +259,13 @@ def reference_sequential(model_dir: Path, rows: list, output_len: int) -> dict:
     processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=True)
 
     def answer(row) -> tuple[int, int]:
-        messages = [{"role": "user", "content": [{"type": "image", "image": data_url_bytes(url)} for url in row.image_data]
-                     + [{"type": "text", "text": row.prompt}]}]
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": data_url_bytes(url)} for url in row.image_data]
+                + [{"type": "text", "text": row.prompt}],
+            }
+        ]
         inputs, _ = model.processor_inputs(processor, {"messages": messages})
         with torch.inference_mode():
             sequences = model.generate(**inputs, max_new_tokens=output_len, do_sample=False, eos_token_id=[])
@@ -240,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         args.model = build_or_reuse("bench")
     model = args.model.resolve()
     output_file = OUT_DIR / f"results-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    turn2_rows = image_requests(model, argparse.Namespace(**{**vars(args), "num_prompts": args.turn2_reps}), args.seed + 1)
+    turn2_rows = image_requests(
+        model, argparse.Namespace(**{**vars(args), "num_prompts": args.turn2_reps}), args.seed + 1
+    )
 
     with SglangServer(model, extra_args=server_args(args), name="bench-serving") as server:
         startup_radix_on = server.startup_seconds
@@ -256,22 +328,32 @@ def main(argv: list[str] | None = None) -> int:
     reference = reference_sequential(model, image_requests(model, args, args.seed), args.output_len)
     reference_rps = reference["request_throughput"]
     table_rows = [(f"sglang c={c} (median of {len(r)})", median_over_runs(r)) for c, r in runs.items()]
-    table_rows += [(f"sglang c={c} chunked {args.chunk_size} + mixed (median of {len(r)})", median_over_runs(r))
-                   for c, r in chunked_runs.items()]
+    table_rows += [
+        (f"sglang c={c} chunked {args.chunk_size} + mixed (median of {len(r)})", median_over_runs(r))
+        for c, r in chunked_runs.items()
+    ]
     table_rows.append(("reference sequential", reference))
 
-    print(f"\nmodel {model}; {args.num_prompts} requests, 1 random {args.image_resolution} PNG + {args.input_len} text "
-          f"tokens each, {args.output_len} output tokens, greedy; server flags: {' '.join(server_args(args))}")
-    print(f"prompt tokens per request (incl. vision, chat template): server {server_input_tokens:.1f}, "
-          f"reference {reference['mean_input_tokens']:.1f}; server start {startup_radix_on:.1f} s")
+    print(
+        f"\nmodel {model}; {args.num_prompts} requests, 1 random {args.image_resolution} PNG + {args.input_len} text "
+        f"tokens each, {args.output_len} output tokens, greedy; server flags: {' '.join(server_args(args))}"
+    )
+    print(
+        f"prompt tokens per request (incl. vision, chat template): server {server_input_tokens:.1f}, "
+        f"reference {reference['mean_input_tokens']:.1f}; server start {startup_radix_on:.1f} s"
+    )
     print(format_table(table_rows, reference_rps))
     for label, by_concurrency in (("unchunked", runs), (f"chunked {args.chunk_size}", chunked_runs)):
         for concurrency, results in by_concurrency.items():
-            print(f"  {label} c={concurrency} runs req/s: "
-                  + ", ".join(f"{r['request_throughput']:.2f}" for r in results))
+            print(
+                f"  {label} c={concurrency} runs req/s: " + ", ".join(f"{r['request_throughput']:.2f}" for r in results)
+            )
     on, off = statistics.median(ttft_on) * 1000, statistics.median(ttft_off) * 1000
-    print(f"turn-2 TTFT (median of {args.turn2_reps}): turn 1 in the radix cache {on:.1f} ms, cache flushed {off:.1f} ms, "
-          f"off/on {off / on:.2f}x")
+    print(
+        f"turn-2 TTFT (median of {args.turn2_reps}): turn 1 in the radix cache {on:.1f} ms, "
+        f"cache flushed {off:.1f} ms, "
+        f"off/on {off / on:.2f}x"
+    )
     print(f"raw bench_serving results: {output_file}")
     print(f"benchmark wall time {time.perf_counter() - wall_started:.0f} s")
     ratios = {c: statistics.median(r["request_throughput"] for r in runs[c]) / reference_rps for c in runs}
@@ -281,10 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     if chunked_c8 and unchunked_c8:
         rps_ratio = chunked_c8["request_throughput"] / unchunked_c8["request_throughput"]
         p99_ratio = chunked_c8["p99_ttft_ms"] / unchunked_c8["p99_ttft_ms"]
-        chunked_result = (f" c8_chunked_over_unchunked_rps={rps_ratio:.2f}"
-                          f" c8_ttft_p99_chunked_over_unchunked={p99_ratio:.2f}")
-    print(f"RESULT c8_vs_ref={ratios.get(8, float('nan')):.2f} c1_vs_ref={ratios.get(1, float('nan')):.2f} "
-          f"turn2_ttft_radix_off_over_on={off / on:.2f}{chunked_result}")
+        chunked_result = (
+            f" c8_chunked_over_unchunked_rps={rps_ratio:.2f} c8_ttft_p99_chunked_over_unchunked={p99_ratio:.2f}"
+        )
+    print(
+        f"RESULT c8_vs_ref={ratios.get(8, float('nan')):.2f} c1_vs_ref={ratios.get(1, float('nan')):.2f} "
+        f"turn2_ttft_radix_off_over_on={off / on:.2f}{chunked_result}"
+    )
     return 0
 
 

@@ -61,7 +61,8 @@ SPECIAL_TOKENS = (
 )
 
 # Small English corpus for the BPE merges: chat-like sentences about images, videos and time.
-CORPUS = """
+CORPUS = (
+    """
 You are a helpful assistant. Describe the image in detail. What is shown in this picture?
 The picture shows a red square on a blue background, with a small green circle in the corner.
 Describe the video. What happens between the first and the last frame? Count the objects.
@@ -73,19 +74,55 @@ Compare the two images and list the differences. The left image is brighter than
 Summarize the conversation so far, then continue the story with the next scene in the video.
 Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 20 30 45 60 90 100 seconds minutes frames pixels.
 Question: where is the ball? Answer: the ball is under the table, next to the chair.
-""" * 4
+"""
+    * 4
+)
 
 PRESETS = {
     "tiny": {
-        "text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, cross_attention_layers=[1, 3], max_position_embeddings=32768, mrope_section=[6, 5, 5]),
-        "vision": dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=4, num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+        "text": dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            cross_attention_layers=[1, 3],
+            max_position_embeddings=32768,
+            mrope_section=[6, 5, 5],
+        ),
+        "vision": dict(
+            depth=3,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=4,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+        ),
         "bpe_vocab": 768,
         # Small budgets keep the dense per-frame vision attention of a CPU server in megabytes.
         "processor": dict(max_pixels=512 * 512, video_max_pixels=256 * 256, max_input_pixels=2048 * 2048),
     },
     "bench": {
-        "text": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=10, num_attention_heads=16, num_key_value_heads=8, head_dim=64, cross_attention_layers=[2, 6], max_position_embeddings=65536, mrope_section=[12, 10, 10]),
-        "vision": dict(depth=6, hidden_size=384, intermediate_size=1024, num_heads=6, num_position_embeddings=1024, deepstack_visual_indexes=[1, 3]),
+        "text": dict(
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=10,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=64,
+            cross_attention_layers=[2, 6],
+            max_position_embeddings=65536,
+            mrope_section=[12, 10, 10],
+        ),
+        "vision": dict(
+            depth=6,
+            hidden_size=384,
+            intermediate_size=1024,
+            num_heads=6,
+            num_position_embeddings=1024,
+            deepstack_visual_indexes=[1, 3],
+        ),
         "bpe_vocab": 2048,
         "processor": dict(max_pixels=1024 * 1024, video_max_pixels=512 * 512, max_input_pixels=4096 * 4096),
     },
@@ -140,7 +177,13 @@ def build_config(preset: dict, tokenizer) -> MossVLConfig:
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
         ),
-        vision_config=dict(preset["vision"], out_hidden_size=text["hidden_size"], patch_size=16, spatial_merge_size=2, temporal_patch_size=1),
+        vision_config=dict(
+            preset["vision"],
+            out_hidden_size=text["hidden_size"],
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=1,
+        ),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -210,7 +253,11 @@ def write_checkpoint(directory: Path, preset_name: str, seed: int) -> None:
     processor.save_pretrained(directory)
     for name in REMOTE_CODE_FILES:
         shutil.copyfile(PACKAGE_DIR / name, directory / name)
-    generation = {"eos_token_id": [config.text_config.eos_token_id, config.text_config.bos_token_id], "pad_token_id": config.text_config.pad_token_id, "do_sample": False}
+    generation = {
+        "eos_token_id": [config.text_config.eos_token_id, config.text_config.bos_token_id],
+        "pad_token_id": config.text_config.pad_token_id,
+        "do_sample": False,
+    }
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
@@ -227,7 +274,9 @@ def build_or_reuse(preset_name: str = "tiny", out: Path | None = None, seed: int
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         write_checkpoint(staging, preset_name, seed)
-        (staging / STAMP).write_text(json.dumps({"fingerprint": fingerprint, "preset": preset_name, "seed": seed}) + "\n")
+        (staging / STAMP).write_text(
+            json.dumps({"fingerprint": fingerprint, "preset": preset_name, "seed": seed}) + "\n"
+        )
         # mkdtemp and the safetensors writer create owner-only modes; a checkpoint is shared read-only data
         staging.chmod(0o755)
         for path in staging.iterdir():

@@ -35,9 +35,12 @@ LOG_DIR = REPO_ROOT / "build" / "logs"
 DEFAULT_MAX_TOTAL_TOKENS = 16384
 # sglang's rank-count flags and their long aliases (``arg_groups/fields/parallel.py``); ranks = tp * dp * pp.
 PARALLEL_SIZE_FLAGS = {
-    "--tp-size": "tp", "--tensor-parallel-size": "tp",
-    "--dp-size": "dp", "--data-parallel-size": "dp",
-    "--pp-size": "pp", "--pipeline-parallel-size": "pp",
+    "--tp-size": "tp",
+    "--tensor-parallel-size": "tp",
+    "--dp-size": "dp",
+    "--data-parallel-size": "dp",
+    "--pp-size": "pp",
+    "--pipeline-parallel-size": "pp",
 }
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
@@ -78,7 +81,7 @@ def cpu_threads_bind(ranks: int, cores: list[int]) -> str:
     groups, start = [], 0
     for rank in range(ranks):
         size = per_rank + (rank < extra)
-        groups.append(core_ranges(cores[start:start + size]))
+        groups.append(core_ranges(cores[start : start + size]))
         start += size
     return "|".join(groups)
 
@@ -115,13 +118,23 @@ def engine_env(device: str, extra_args: list[str] | None = None) -> dict[str, st
     return env
 
 
-def server_command(model_path: str | Path, port: int, device: str = "cpu", extra_args: list[str] | None = None) -> list[str]:
+def server_command(
+    model_path: str | Path, port: int, device: str = "cpu", extra_args: list[str] | None = None
+) -> list[str]:
     args = [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", str(model_path),
-        "--device", device,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--trust-remote-code", "--enable-multimodal",
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--device",
+        device,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--trust-remote-code",
+        "--enable-multimodal",
     ]
     extra_args = list(extra_args or [])
     if "--max-total-tokens" not in extra_args:
@@ -132,8 +145,15 @@ def server_command(model_path: str | Path, port: int, device: str = "cpu", extra
 class SglangServer:
     """A server process on 127.0.0.1 that is stopped by its PID, whatever happens (use as a context manager)."""
 
-    def __init__(self, model_path, device: str = "cpu", extra_args=None, port: int | None = None,
-                 ready_timeout_s: float = 240.0, name: str = "server"):
+    def __init__(
+        self,
+        model_path,
+        device: str = "cpu",
+        extra_args=None,
+        port: int | None = None,
+        ready_timeout_s: float = 240.0,
+        name: str = "server",
+    ):
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.command = server_command(model_path, self.port, device, extra_args)
@@ -157,8 +177,13 @@ class SglangServer:
         with open(self.log_path, "w") as log:
             # Own session: the launcher's scheduler/detokenizer children can be reaped by group if it dies.
             self.process = subprocess.Popen(
-                self.command, env=self.env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                self.command,
+                env=self.env,
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         try:
             self._wait_healthy()
@@ -206,8 +231,10 @@ class SglangServer:
 
 def main(argv: list[str] | None = None) -> None:
     """Foreground server: this module's environment and command, then exec (Ctrl-C stops sglang directly)."""
-    parser = argparse.ArgumentParser(description="Serve MOSS-VL with stock sglang + this plugin (foreground).",
-                                     epilog="Every other argument is passed to sglang.launch_server.")
+    parser = argparse.ArgumentParser(
+        description="Serve MOSS-VL with stock sglang + this plugin (foreground).",
+        epilog="Every other argument is passed to sglang.launch_server.",
+    )
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--port", type=int, default=30000)

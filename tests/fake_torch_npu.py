@@ -115,9 +115,7 @@ class _FakeTorchNpu(types.ModuleType):
     def __getattr__(self, name: str):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
-        raise NotImplementedError(
-            f"torch_npu.{name} is not implemented by the CPU stand-in (tests/fake_torch_npu.py)"
-        )
+        raise NotImplementedError(f"torch_npu.{name} is not implemented by the CPU stand-in (tests/fake_torch_npu.py)")
 
 
 def _import_only(name: str):

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend import (
     AscendTorchNativeAttnBackend,
 )
@@ -31,7 +30,6 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from fake_torch_npu import installed_fake_torch_npu
 from mossvl_ascend import ascend_backend as ascend_hooks
 from mossvl_ascend import native_attention
-from support.hooks import patches_applied
 from support.attention import (
     ROUTE_HEADS,
     SCALE,
@@ -51,6 +49,7 @@ from support.attention import (
     reference_cross_extend,
     reference_self_extend,
 )
+from support.hooks import patches_applied
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -97,8 +96,14 @@ def make_ascend_backend(ascend_module, pool, req_to_token_pool, *, use_fia=False
 def make_npu_pool(memory_pool_npu):
     num_kv_heads = ROUTE_HEADS[1]
     return memory_pool_npu.NPUMHATokenToKVPool(
-        size=512, page_size=128, dtype=torch.float32, head_num=num_kv_heads, head_dim=8,
-        layer_num=2, device="cpu", enable_memory_saver=False,
+        size=512,
+        page_size=128,
+        dtype=torch.float32,
+        head_num=num_kv_heads,
+        head_dim=8,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
     )
 
 
@@ -183,7 +188,9 @@ def test_stock_extend_self_misses_the_cached_prefix(npu_modules):
     batch = build_batch([example_requests()[2]], *ROUTE_HEADS)  # 4 cached text tokens
     load_batch_into_pools(batch, pool, req_to_token_pool)
     forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
+        batch,
+        ForwardMode.EXTEND,
+        out_cache_loc=new_text_slots(batch),
         encoder_out_cache_loc=torch.zeros(0, dtype=torch.long),
     )
     _, self_attn = make_layers()
@@ -226,11 +233,14 @@ def _load_plugins_in_subprocess(variant):
     env.pop("SGLANG_PLUGINS", None)
     result = subprocess.run(
         [sys.executable, "-c", _LOAD_AND_REPORT, variant],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    line = next(l for l in result.stdout.splitlines() if l.startswith("HOOKS "))
-    return json.loads(line[len("HOOKS "):])
+    line = next(out for out in result.stdout.splitlines() if out.startswith("HOOKS "))
+    return json.loads(line[len("HOOKS ") :])
 
 
 def test_entry_point_load_with_fake_torch_npu_wraps_ascend_backend():

@@ -39,13 +39,18 @@ def mixed_requests():
 
 def extend_metadata(batch):
     boundaries = [
-        None if not (r.encoder_len and r.extend_len) else
-        torch.tensor([sum(r.spans[:c]) for c in r.visible_frame_counts[r.prefix_len : r.text_len]], dtype=torch.int32)
+        None
+        if not (r.encoder_len and r.extend_len)
+        else torch.tensor(
+            [sum(r.spans[:c]) for c in r.visible_frame_counts[r.prefix_len : r.text_len]], dtype=torch.int32
+        )
         for r in batch.requests
     ]
     return ForwardAttentionMetadata.build(
-        [r.extend_len for r in batch.requests], [r.prefix_len for r in batch.requests],
-        [r.encoder_len for r in batch.requests], boundaries,
+        [r.extend_len for r in batch.requests],
+        [r.prefix_len for r in batch.requests],
+        [r.encoder_len for r in batch.requests],
+        boundaries,
     )
 
 

@@ -12,16 +12,16 @@ from sglang.srt.models.moss_vl import MossVLForConditionalGeneration
 from mossvl_ascend import compact_visibility, native_attention
 from mossvl_ascend.attention.core import AttentionLayer, attention
 from mossvl_ascend.attention.metadata import attached
-from support.hooks import patches_applied
 from support.attention import (
     SCALE,
     Request,
-    moss_vl_extend_batch,
     build_batch,
     example_requests,
+    moss_vl_extend_batch,
     reference_cross_extend,
     run_native_extend,
 )
+from support.hooks import patches_applied
 
 MERGE = 2
 # Frames of grid (t, h, w) hold h*w/MERGE^2 vision tokens + 1 separator.
@@ -92,8 +92,13 @@ def test_core_from_the_hook_metadata_equals_the_dense_reference(hooked, logit_ca
     hooked.prepare_forward_batch(forward_batch)
     batch = build_batch(REQUESTS)
     out = attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
-        attached(forward_batch), AttentionLayer(True, SCALE, False, logit_cap),
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.req_to_token,
+        batch.req_pool_indices,
+        attached(forward_batch),
+        AttentionLayer(True, SCALE, False, logit_cap),
     )
     torch.testing.assert_close(out, reference_cross_extend(batch, SCALE, logit_cap), atol=1e-5, rtol=1e-5)
 

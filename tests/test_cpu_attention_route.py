@@ -14,16 +14,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from mossvl_ascend import cpu_attention, native_attention
-from support.hooks import patches_applied
 from support.attention import (
     ROUTE_HEADS,
     SCALE,
+    Request,
     build_batch,
     causal_with_prefix,
     check_decode_cross_reads_cached_encoder_and_sees_all_frames,
@@ -40,14 +39,20 @@ from support.attention import (
     new_text_slots,
     reference_attention,
     reference_cross_extend,
-    Request,
 )
+from support.hooks import patches_applied
 
 
 def make_cpu_route():
     pool = MHATokenToKVPool(
-        size=512, page_size=1, dtype=torch.float32, head_num=ROUTE_HEADS[1], head_dim=8,
-        layer_num=2, device="cpu", enable_memory_saver=False,
+        size=512,
+        page_size=1,
+        dtype=torch.float32,
+        head_num=ROUTE_HEADS[1],
+        head_dim=8,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
     )
     req_to_token_pool = make_req_to_token_pool()
     runner = SimpleNamespace(device="cpu", req_to_token_pool=req_to_token_pool, token_to_kv_pool=pool)
@@ -109,8 +114,11 @@ def test_encoder_batches_reach_the_core_once_per_layer_without_the_stock_method(
     batch = build_batch(example_requests(), *ROUTE_HEADS)
     load_batch_into_pools(batch, pool, req_to_token_pool)
     forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
-        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
+        batch,
+        ForwardMode.EXTEND,
+        out_cache_loc=new_text_slots(batch),
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long),
+        mask=batch.packed_mask(),
     )
     cross, self_attn = make_layers()
     for layer in (cross, self_attn, cross):

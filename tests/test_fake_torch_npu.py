@@ -54,8 +54,15 @@ def test_mask_true_means_masked_out_and_lse_is_returned(torch_npu, heads):
     masked_out = torch.rand(2, 1, 5, 11, generator=torch.Generator().manual_seed(1)) < 0.4
     masked_out[0, 0, 2] = True  # a row that sees nothing
     out, lse = torch_npu.npu_fused_infer_attention_score(
-        q, k, v, num_heads=heads[0], num_key_value_heads=heads[1], input_layout="BNSD", scale=0.3,
-        atten_mask=masked_out, softmax_lse_flag=True,
+        q,
+        k,
+        v,
+        num_heads=heads[0],
+        num_key_value_heads=heads[1],
+        input_layout="BNSD",
+        scale=0.3,
+        atten_mask=masked_out,
+        softmax_lse_flag=True,
     )
     expected, expected_lse = dense_fp64(q, k, v, ~masked_out, 0.3)
     assert lse.shape == (2, heads[0], 5, 1) and lse.dtype == torch.float32
@@ -74,8 +81,17 @@ def test_paged_cache_through_block_table_and_kv_lengths(torch_npu):
     kv_lens = [10, 12, 3]
     q = torch.randn(batch, heads, 1, dim, generator=gen)
     out, lse = torch_npu.npu_fused_infer_attention_score(
-        q, k_pages, v_pages, num_heads=heads, num_key_value_heads=kv_heads, input_layout="BNSD", scale=0.5,
-        block_table=block_table, block_size=block_size, actual_seq_lengths_kv=kv_lens, softmax_lse_flag=True,
+        q,
+        k_pages,
+        v_pages,
+        num_heads=heads,
+        num_key_value_heads=kv_heads,
+        input_layout="BNSD",
+        scale=0.5,
+        block_table=block_table,
+        block_size=block_size,
+        actual_seq_lengths_kv=kv_lens,
+        softmax_lse_flag=True,
     )
     for b in range(batch):
         rows = torch.cat([torch.arange(p * block_size, (p + 1) * block_size) for p in block_table[b].tolist()])

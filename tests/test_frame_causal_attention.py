@@ -95,7 +95,9 @@ def coverage_of(plan, kv_len):
     for block in plan.blocks:
         rows = slice(block.row_start, block.row_end)
         keys = torch.arange(block.key_start, block.key_end)
-        seen = keys[None, :] < plan.sorted_boundaries[rows, None] if block.masked else torch.ones(1, 1, dtype=torch.bool)
+        seen = (
+            keys[None, :] < plan.sorted_boundaries[rows, None] if block.masked else torch.ones(1, 1, dtype=torch.bool)
+        )
         count[rows, block.key_start : block.key_end] += seen.to(torch.int64)
     return count
 
@@ -239,7 +241,7 @@ def packed_mask_by_loop(requests):
             count = int(req["visible_frame_counts"][req["prefix_len"] + row])
             for f, (start, end) in enumerate(frames):
                 if f < count:
-                    block[row, start:min(end, kv_len)] = 1
+                    block[row, start : min(end, kv_len)] = 1
         parts.append(block.flatten())
     return torch.cat(parts)
 
@@ -275,7 +277,13 @@ def batch_of_requests():
 
     return [
         # video of 4 frames after an image; cached text prefix of 5 rows
-        dict(grid_thw=[[1, 4, 6], [4, 4, 4]], visible_frame_counts=counts(20, 5), prefix_len=5, q_len=11, kv_len=7 + 4 * 5),
+        dict(
+            grid_thw=[[1, 4, 6], [4, 4, 4]],
+            visible_frame_counts=counts(20, 5),
+            prefix_len=5,
+            q_len=11,
+            kv_len=7 + 4 * 5,
+        ),
         # no new rows: contributes nothing
         dict(grid_thw=[[2, 2, 2]], visible_frame_counts=counts(6, 2), prefix_len=6, q_len=0, kv_len=4),
         # unsorted counts, no prefix

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend import (
     AscendTorchNativeAttnBackend,
 )
@@ -106,8 +105,8 @@ def test_rows_that_see_no_frame_are_zero_not_nan(patched_native, logit_cap):
     blind_rows = 0
     for i, req in enumerate(batch.requests):
         rows = out[batch.query_rows(i)]
-        sees_nothing = ~req.new_token_visibility().any(dim=1) if req.encoder_len else torch.ones(
-            req.extend_len, dtype=torch.bool
+        sees_nothing = (
+            ~req.new_token_visibility().any(dim=1) if req.encoder_len else torch.ones(req.extend_len, dtype=torch.bool)
         )
         blind_rows += int(sees_nothing.sum())
         assert torch.equal(rows[sees_nothing], torch.zeros_like(rows[sees_nothing]))
@@ -153,17 +152,35 @@ def test_batch_without_encoder_lens_runs_stock(patched_native):
     batch = build_batch([req])
     out = torch.empty_like(batch.query)
     patched_native.run_sdpa_forward_extend(
-        batch.query, out, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
-        batch.seq_lens, batch.extend_prefix_lens, batch.extend_seq_lens, None,
-        scaling=SCALE, enable_gqa=True, causal=True,
+        batch.query,
+        out,
+        batch.k_cache,
+        batch.v_cache,
+        batch.req_to_token,
+        batch.req_pool_indices,
+        batch.seq_lens,
+        batch.extend_prefix_lens,
+        batch.extend_seq_lens,
+        None,
+        scaling=SCALE,
+        enable_gqa=True,
+        causal=True,
     )
     expected = reference_attention(batch.query, batch.text_k[0], batch.text_v[0], causal_with_prefix(5, 0), SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="without encoder_lens"):
         patched_native.run_sdpa_forward_extend(
-            batch.query, out, batch.k_cache, batch.v_cache, batch.req_to_token,
-            batch.req_pool_indices, batch.seq_lens, batch.extend_prefix_lens,
-            batch.extend_seq_lens, None, cross_attention_custom_mask=torch.ones(5, dtype=torch.uint8),
+            batch.query,
+            out,
+            batch.k_cache,
+            batch.v_cache,
+            batch.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            batch.extend_prefix_lens,
+            batch.extend_seq_lens,
+            None,
+            cross_attention_custom_mask=torch.ones(5, dtype=torch.uint8),
         )
 
 
@@ -176,9 +193,19 @@ def test_stock_decode_already_reads_the_right_windows(cross, logit_cap):
     """Item 5 regression: 0.5.23's native decode needs no hook (cross sees all frames)."""
     batch = decode_batch()
     out = AscendTorchNativeAttnBackend().run_sdpa_forward_decode(
-        batch.query, torch.empty_like(batch.query), batch.k_cache, batch.v_cache,
-        batch.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.encoder_lens,
-        is_cross_attention=cross, scaling=SCALE, enable_gqa=True, causal=False, logit_cap=logit_cap,
+        batch.query,
+        torch.empty_like(batch.query),
+        batch.k_cache,
+        batch.v_cache,
+        batch.req_to_token,
+        batch.req_pool_indices,
+        batch.seq_lens,
+        batch.encoder_lens,
+        is_cross_attention=cross,
+        scaling=SCALE,
+        enable_gqa=True,
+        causal=False,
+        logit_cap=logit_cap,
     )
     for i, req in enumerate(batch.requests):
         keys, values = (batch.encoder_k[i], batch.encoder_v[i]) if cross else (batch.text_k[i], batch.text_v[i])

@@ -24,9 +24,7 @@ PROFILER_PATCH_NAMES = [
 
 def test_profiler_modules_import_on_torch_npu_2_8(tmp_path):
     """torch-npu 2.8 stand-in: only ``_apply_patches(patches)`` exists, and gets the list."""
-    report = run_simulated_npu(
-        tmp_path, PROFILER_MODULES, register_plugin=False, torch_npu_patch_api="apply_patches"
-    )
+    report = run_simulated_npu(tmp_path, PROFILER_MODULES, register_plugin=False, torch_npu_patch_api="apply_patches")
     assert report["imported"] == {name: "ok" for name in PROFILER_MODULES}
     assert report["patch_calls"] == [["_apply_patches", PROFILER_PATCH_NAMES]] * 2
 

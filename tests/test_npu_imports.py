@@ -47,9 +47,7 @@ def test_fallback_is_not_applied_off_npu():
 # ---- numerics -------------------------------------------------------------------------------
 
 
-def reference_split_norm_rope(
-    qkv, positions, q_size, kv_size, head_dim, eps, weights, biases, base
-):
+def reference_split_norm_rope(qkv, positions, q_size, kv_size, head_dim, eps, weights, biases, base):
     """Separate steps written from the definitions: split, per-head RMSNorm, pairwise rotation."""
     q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
     half = head_dim // 2
@@ -112,9 +110,7 @@ def test_fallback_without_eps_only_splits_and_rotates():
     # Without eps the kernel skips the norm: the reference is the rotation alone.
     half = head_dim // 2
     x = qkv[:, : 2 * head_dim].reshape(tokens, 2, head_dim)
-    angle = positions.float()[:, None, None] * (
-        1.0 / (base ** (torch.arange(half).float() * 2 / head_dim))
-    )
+    angle = positions.float()[:, None, None] * (1.0 / (base ** (torch.arange(half).float() * 2 / head_dim)))
     x1, x2 = x[..., :half], x[..., half:]
     c, s = torch.cos(angle), torch.sin(angle)
     expected = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).reshape(tokens, -1)

@@ -26,9 +26,7 @@ CATALOG = REPO_ROOT / "sglang" / "PATCHES.md"
 
 
 def test_committed_catalog_is_rendered_from_the_records():
-    assert CATALOG.read_text() == render_catalog(), (
-        "sglang/PATCHES.md is stale: run `make catalog`"
-    )
+    assert CATALOG.read_text() == render_catalog(), "sglang/PATCHES.md is stale: run `make catalog`"
 
 
 def test_every_listed_module_declares_its_patches_and_no_module_registers_hooks_itself():

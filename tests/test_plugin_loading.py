@@ -19,7 +19,9 @@ logging.basicConfig(level=logging.INFO)
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 load_plugins()
-ours = sorted(t for t, hooks in HookRegistry._hooks.items() if any(s and s.plugin_name == "mossvl_ascend" for _, _, s in hooks))
+ours = sorted(
+    t for t, hooks in HookRegistry._hooks.items() if any(s and s.plugin_name == "mossvl_ascend" for _, _, s in hooks)
+)
 import mossvl_ascend
 print("PROBE" + json.dumps({"ours": ours, "unapplied": [t for t in ours if t not in HookRegistry._patched],
                             "modules": list(mossvl_ascend.PATCH_MODULES)}))
@@ -28,13 +30,17 @@ print("PROBE" + json.dumps({"ours": ours, "unapplied": [t for t in ours if t not
 
 def run_probe(extra_env: dict[str, str]) -> tuple[dict, str]:
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
-    env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "sglang"), str(REPO_ROOT / "cpu_shim")]), **extra_env)
+    env.update(
+        SGLANG_USE_CPU_ENGINE="1",
+        PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "sglang"), str(REPO_ROOT / "cpu_shim")]),
+        **extra_env,
+    )
     proc = subprocess.run(
         [sys.executable, "-c", PROBE], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("PROBE"))
-    return json.loads(line[len("PROBE"):]), proc.stderr
+    line = next(out for out in proc.stdout.splitlines() if out.startswith("PROBE"))
+    return json.loads(line[len("PROBE") :]), proc.stderr
 
 
 def test_entry_point_is_registered():

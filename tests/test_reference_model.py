@@ -21,12 +21,16 @@ ASSETS = Path(__file__).parent / "assets"
 
 @pytest.fixture(scope="module")
 def model(checkpoint):
-    return AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(
+        checkpoint, trust_remote_code=True, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
 
 
 @pytest.fixture(scope="module")
 def eager_model(checkpoint):
-    return AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.float32, attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(
+        checkpoint, trust_remote_code=True, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def noise_image(seed: int, size=(64, 64)) -> Image.Image:
@@ -43,7 +47,16 @@ def logits_of(model, inputs) -> torch.Tensor:
 
 
 def two_image_inputs(processor, first, second):
-    text = chat(processor, [{"type": "text", "text": "Before "}, {"type": "image"}, {"type": "text", "text": " between the two "}, {"type": "image"}, {"type": "text", "text": " after."}])
+    text = chat(
+        processor,
+        [
+            {"type": "text", "text": "Before "},
+            {"type": "image"},
+            {"type": "text", "text": " between the two "},
+            {"type": "image"},
+            {"type": "text", "text": " after."},
+        ],
+    )
     return processor(text=text, images=[first, second])
 
 
@@ -80,13 +93,29 @@ def test_cross_attention_layer_equals_dense_per_row_reference(model, processor):
     config = model.config.text_config
     index = config.cross_attention_layers[0]
     layer = model.model.language_model.layers[index]
-    state = model.prefill_state(inputs["input_ids"], inputs["attention_mask"], inputs["pixel_values"], inputs["grid_thw"], inputs["media_nums_per_sample"], inputs["cross_attention_mask"], None)
+    state = model.prefill_state(
+        inputs["input_ids"],
+        inputs["attention_mask"],
+        inputs["pixel_values"],
+        inputs["grid_thw"],
+        inputs["media_nums_per_sample"],
+        inputs["cross_attention_mask"],
+        None,
+    )
     k, v = state["cross_kv"][index]
     frame_of_key, visible = state["key_frame"][0], state["visible"][0]
-    hidden = torch.randn(1, inputs["input_ids"].shape[1], config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(
+        1, inputs["input_ids"].shape[1], config.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         sees = (frame_of_key[None, :] < visible[:, None])[None, None]
-        got = layer(hidden, positions=state["positions"], cross_kv=(k, v), cross_bias=additive_bias(sees, hidden.dtype), row_sees_vision=(visible > 0)[None, :, None].float())
+        got = layer(
+            hidden,
+            positions=state["positions"],
+            cross_kv=(k, v),
+            cross_bias=additive_bias(sees, hidden.dtype),
+            row_sees_vision=(visible > 0)[None, :, None].float(),
+        )
         q = layer.cross_attn.query(layer.input_layernorm(hidden), state["positions"])[0]
         group = config.num_attention_heads // config.num_key_value_heads
         expected = hidden[0].clone()
@@ -108,8 +137,18 @@ def test_cross_attention_layer_equals_dense_per_row_reference(model, processor):
 
 
 def test_eager_equals_sdpa(model, eager_model, processor):
-    text = chat(processor, [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "video"}, {"type": "text", "text": "compare them"}])
-    inputs = processor(text=text, images=[str(ASSETS / "gradient_96x64.png")], videos=[str(ASSETS / "moving_square_3s.mp4")])
+    text = chat(
+        processor,
+        [
+            {"type": "image"},
+            {"type": "text", "text": "and"},
+            {"type": "video"},
+            {"type": "text", "text": "compare them"},
+        ],
+    )
+    inputs = processor(
+        text=text, images=[str(ASSETS / "gradient_96x64.png")], videos=[str(ASSETS / "moving_square_3s.mp4")]
+    )
     for candidate, implementation in ((model, "sdpa"), (eager_model, "eager")):
         layers = candidate.model.language_model.layers
         cross = candidate.config.text_config.cross_attention_layers
@@ -133,13 +172,25 @@ def test_cached_generate_equals_full_recompute(model, processor):
         step_ids = cached[:, inputs["input_ids"].shape[1] : inputs["input_ids"].shape[1] + 3]
         mask = torch.cat((inputs["attention_mask"], torch.ones_like(step_ids)), dim=1)
         step_logits = model(step_ids, mask, past_key_values=cache, use_cache=True).logits[0, -1]
-        full = model.recompute_last_logits(torch.cat((inputs["input_ids"], step_ids), 1), mask, inputs["input_ids"].shape[1], inputs["pixel_values"], inputs["grid_thw"], inputs["media_nums_per_sample"], inputs["cross_attention_mask"])
+        full = model.recompute_last_logits(
+            torch.cat((inputs["input_ids"], step_ids), 1),
+            mask,
+            inputs["input_ids"].shape[1],
+            inputs["pixel_values"],
+            inputs["grid_thw"],
+            inputs["media_nums_per_sample"],
+            inputs["cross_attention_mask"],
+        )
     torch.testing.assert_close(step_logits, full[0], rtol=1e-5, atol=1e-5)
 
 
 def test_cross_attention_kv_is_computed_once_per_generation(model, processor, monkeypatch):
-    inputs = processor(text=chat(processor, [{"type": "image"}, {"type": "text", "text": "hi"}]), images=[noise_image(8)])
-    cross_layers = [model.model.language_model.layers[i].cross_attn for i in model.config.text_config.cross_attention_layers]
+    inputs = processor(
+        text=chat(processor, [{"type": "image"}, {"type": "text", "text": "hi"}]), images=[noise_image(8)]
+    )
+    cross_layers = [
+        model.model.language_model.layers[i].cross_attn for i in model.config.text_config.cross_attention_layers
+    ]
     calls = []
     for attention in cross_layers:
         original = attention.key_value
@@ -150,7 +201,10 @@ def test_cross_attention_kv_is_computed_once_per_generation(model, processor, mo
 
 def test_batch_of_two_equals_each_alone(model, processor):
     first = chat(processor, [{"type": "image"}, {"type": "text", "text": "What color is the largest region?"}])
-    second = chat(processor, [{"type": "text", "text": "Compare"}, {"type": "video"}, {"type": "text", "text": "with"}, {"type": "image"}])
+    second = chat(
+        processor,
+        [{"type": "text", "text": "Compare"}, {"type": "video"}, {"type": "text", "text": "with"}, {"type": "image"}],
+    )
     images = [str(ASSETS / "square_64.png"), str(ASSETS / "gradient_96x64.png")]
     video = str(ASSETS / "moving_square_3s.mp4")
     batch = processor(text=[first, second], images=images, videos=[video])
@@ -162,7 +216,9 @@ def test_batch_of_two_equals_each_alone(model, processor):
     for row, single in enumerate(alone):
         length = single["input_ids"].shape[1]
         assert torch.equal(batched[row, width - length : width], single["input_ids"][0])
-        assert torch.equal(batched[row, width:], model.generate(**single, max_new_tokens=8, eos_token_id=[])[0, length:])
+        assert torch.equal(
+            batched[row, width:], model.generate(**single, max_new_tokens=8, eos_token_id=[])[0, length:]
+        )
         torch.testing.assert_close(batch_logits[row, width - length :], logits_of(model, single), rtol=1e-5, atol=1e-5)
 
 
@@ -178,7 +234,10 @@ def test_three_turn_conversation_with_an_image_per_turn(model, processor):
         {"role": "assistant", "content": "A pattern."},
         {"role": "user", "content": [{"type": "image", "image": images[1]}, {"type": "text", "text": "And this one?"}]},
         {"role": "assistant", "content": "Another pattern."},
-        {"role": "user", "content": [{"type": "image", "image": images[2]}, {"type": "text", "text": "Which is brighter?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": images[2]}, {"type": "text", "text": "Which is brighter?"}],
+        },
     ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     found_images, _ = processor.extract_media(messages)
@@ -197,7 +256,10 @@ def test_three_turn_conversation_with_an_image_per_turn(model, processor):
 
 
 def test_64px_image_and_32_text_tokens_generate_16_tokens_quickly(model, processor):
-    text = chat(processor, [{"type": "image"}, {"type": "text", "text": "Describe the image in detail, then list every color you see."}])
+    text = chat(
+        processor,
+        [{"type": "image"}, {"type": "text", "text": "Describe the image in detail, then list every color you see."}],
+    )
     inputs = processor(text=text, images=[str(ASSETS / "square_64.png")])
     assert 32 <= inputs["input_ids"].shape[1] <= 48
     threads = torch.get_num_threads()

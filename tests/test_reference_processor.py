@@ -12,7 +12,6 @@ import pytest
 import torch
 from PIL import Image
 
-
 ASSETS = Path(__file__).parent / "assets"
 VIDEO = ASSETS / "moving_square_3s.mp4"
 
@@ -33,7 +32,9 @@ def test_patches_equal_an_explicit_pixel_loop(processor):
             for row in range(2):
                 for col in range(2):
                     y, x = (block_row * 2 + row) * 16, (block_col * 2 + col) * 16
-                    patch = [(pixels[y + i, x + j, c] - 0.5) / 0.5 for c in range(3) for i in range(16) for j in range(16)]
+                    patch = [
+                        (pixels[y + i, x + j, c] - 0.5) / 0.5 for c in range(3) for i in range(16) for j in range(16)
+                    ]
                     expected.append(patch)
     torch.testing.assert_close(inputs["pixel_values"], torch.tensor(expected), rtol=0, atol=1e-6)
 
@@ -69,18 +70,28 @@ def test_video_file_sampled_at_fps_with_one_timestamp_marker_per_frame(processor
         assert inputs["grid_thw"].tolist() == [[len(expected_stamps), 4, 4]]  # 64x48 -> 64x64
         assert frame_token_count(processor, inputs) == len(expected_stamps)
         assert text.startswith("<|vision_start|>") and text.endswith("<|vision_end|>")
-    thinned = processor(text="<|video|>", videos=[{"video_path": str(VIDEO)}], media_kwargs={"video_fps": 4.0, "max_frames": 2})
+    thinned = processor(
+        text="<|video|>", videos=[{"video_path": str(VIDEO)}], media_kwargs={"video_fps": 4.0, "max_frames": 2}
+    )
     assert thinned["grid_thw"][0, 0] == 2
     # 0.25 fps gives one target in a 3 s clip; min_frames 3 spreads frames 0, 6, 11 (of 12) instead
     padded = processor(text="<|video|>", videos=[str(VIDEO)], media_kwargs={"video_fps": 0.25, "min_frames": 3})
     stamps = re.findall(r"<\|time_start\|>([0-9.]+) seconds", processor.decode(padded["input_ids"][0]))
-    assert padded["grid_thw"][0, 0] == 3 and [float(s) for s in stamps] == [0.0, 1.5, 2.8]  # 2.75 s printed with one decimal
+    assert padded["grid_thw"][0, 0] == 3 and [float(s) for s in stamps] == [
+        0.0,
+        1.5,
+        2.8,
+    ]  # 2.75 s printed with one decimal
 
 
 def test_frame_list_video_and_interleaved_media(processor):
     frames = [Image.new("RGB", (64, 64), (i * 40, 0, 0)) for i in range(3)]
     text = "<|im_start|>user\nA<|image|>B<|video|>C<|image|>D<|im_end|>\n"
-    inputs = processor(text=text, images=[str(ASSETS / "square_64.png"), str(ASSETS / "gradient_96x64.png")], videos=[{"frames": frames, "timestamps": [0.5, 1.5, 2.5]}])
+    inputs = processor(
+        text=text,
+        images=[str(ASSETS / "square_64.png"), str(ASSETS / "gradient_96x64.png")],
+        videos=[{"frames": frames, "timestamps": [0.5, 1.5, 2.5]}],
+    )
     assert inputs["grid_thw"].tolist() == [[1, 4, 4], [3, 4, 4], [1, 4, 6]]
     assert inputs["media_nums_per_sample"] == [3]
     assert "0.5 seconds" in processor.decode(inputs["input_ids"][0])
@@ -94,7 +105,10 @@ def test_frame_list_video_and_interleaved_media(processor):
 
 
 def test_batch_is_left_padded_and_visibility_counts_only_own_frames(processor):
-    inputs = processor(text=["<|image|>short", "a much longer prompt here <|image|><|image|>"], images=[str(ASSETS / "square_64.png")] * 3)
+    inputs = processor(
+        text=["<|image|>short", "a much longer prompt here <|image|><|image|>"],
+        images=[str(ASSETS / "square_64.png")] * 3,
+    )
     assert inputs["media_nums_per_sample"] == [1, 2]
     assert inputs["attention_mask"][0, 0] == 0 and inputs["attention_mask"][:, -1].eq(1).all()
     counts = (~inputs["cross_attention_mask"][:, 0]).sum(-1)

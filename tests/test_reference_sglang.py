@@ -81,7 +81,9 @@ def sglang_processor(checkpoint):
 def _mixed_media_inputs(processor):
     rng = np.random.default_rng(3)
     frames = [Image.fromarray(rng.integers(0, 255, (40, 60, 3), dtype=np.uint8)) for _ in range(3)]
-    text = "<|im_start|>user\nLook <|image|> then<|video|> and <|image|>, what changed?<|im_end|>\n<|im_start|>assistant\n"
+    text = (
+        "<|im_start|>user\nLook <|image|> then<|video|> and <|image|>, what changed?<|im_end|>\n<|im_start|>assistant\n"
+    )
     images = [str(ASSETS / "gradient_96x64.png"), str(ASSETS / "square_64.png")]
     return processor(text=text, images=images, videos=[frames])
 
@@ -97,7 +99,9 @@ def test_stock_vision_tower_and_separators_equal_ours(sglang_model, ours, proces
     model, _ = sglang_model
     inputs = _mixed_media_inputs(processor)
     with torch.no_grad():
-        stock = model._insert_separator_tokens(model._get_vision_features(inputs["pixel_values"], inputs["grid_thw"]), inputs["grid_thw"])
+        stock = model._insert_separator_tokens(
+            model._get_vision_features(inputs["pixel_values"], inputs["grid_thw"]), inputs["grid_thw"]
+        )
         mine = torch.cat(ours.encode_media(inputs["pixel_values"], inputs["grid_thw"]))
     assert stock.shape == mine.shape
     torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
@@ -118,7 +122,10 @@ def test_stock_processor_positions_and_visibility_equal_ours(sglang_processor, p
     inputs = _mixed_media_inputs(processor)
     input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
     mrope, delta, vision_ids, info = sglang_processor._compute_position_metadata(
-        input_ids=input_ids, attention_mask=attention_mask, grid_thw=inputs["grid_thw"], media_nums_per_sample=inputs["media_nums_per_sample"]
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        grid_thw=inputs["grid_thw"],
+        media_nums_per_sample=inputs["media_nums_per_sample"],
     )
     counts = sglang_processor._compute_visible_frame_counts(inputs["cross_attention_mask"])
     items = sglang_processor._build_mm_items(dict(inputs), input_ids.flatten())
@@ -138,7 +145,9 @@ def test_stock_processor_accepts_text_only_output(sglang_processor, processor):
     inputs = processor(text="<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n")
     assert "pixel_values" not in inputs and "grid_thw" not in inputs
     assert sglang_processor._build_mm_items(dict(inputs), inputs["input_ids"].flatten()) == []
-    mrope, delta, vision_ids, _ = sglang_processor._compute_position_metadata(inputs["input_ids"], inputs["attention_mask"], None, None)
+    mrope, delta, vision_ids, _ = sglang_processor._compute_position_metadata(
+        inputs["input_ids"], inputs["attention_mask"], None, None
+    )
     assert vision_ids is None
     assert torch.equal(mrope[0, 0], torch.arange(inputs["input_ids"].shape[1]))
 
@@ -151,7 +160,9 @@ def test_xrope_rotation_equals_stock_cross_and_self_attention(sglang_model, ours
     grids = [(h // 2, w // 2) for t, h, w in inputs["grid_thw"].tolist() for _ in range(t)]
     positions = compute_xrope_positions(inputs["input_ids"], inputs["attention_mask"], [grids], config.image_token_id)
     cross_index = config.text_config.cross_attention_layers[0]
-    states = torch.randn(positions.vision.shape[-1], config.text_config.hidden_size, generator=torch.Generator().manual_seed(0))
+    states = torch.randn(
+        positions.vision.shape[-1], config.text_config.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
     stock_cross = model.language_model.model.layers[cross_index].cross_attn
     mine_cross = ours.model.language_model.layers[cross_index].cross_attn
     head_dim, kv_heads = config.text_config.head_dim, config.text_config.num_key_value_heads
@@ -161,13 +172,21 @@ def test_xrope_rotation_equals_stock_cross_and_self_attention(sglang_model, ours
         stock_k = stock_cross._apply_cross_attn_rotary(positions.vision[:, 0], k)
         mine_k, mine_v = mine_cross.key_value(states[None], positions.vision)
         stock_v, _ = stock_cross.v_proj(states)
-    torch.testing.assert_close(mine_k[0].transpose(0, 1).reshape(-1, kv_heads * head_dim), stock_k, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mine_v[0].transpose(0, 1).reshape(-1, kv_heads * head_dim), stock_v, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        mine_k[0].transpose(0, 1).reshape(-1, kv_heads * head_dim), stock_k, rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        mine_v[0].transpose(0, 1).reshape(-1, kv_heads * head_dim), stock_v, rtol=1e-5, atol=1e-5
+    )
 
-    self_index = next(i for i in range(config.text_config.num_hidden_layers) if i not in config.text_config.cross_attention_layers)
+    self_index = next(
+        i for i in range(config.text_config.num_hidden_layers) if i not in config.text_config.cross_attention_layers
+    )
     rotary = model.language_model.model.layers[self_index].self_attn.rotary_emb
     length = positions.text.shape[-1]
-    q = torch.randn(length, config.text_config.num_attention_heads * head_dim, generator=torch.Generator().manual_seed(1))
+    q = torch.randn(
+        length, config.text_config.num_attention_heads * head_dim, generator=torch.Generator().manual_seed(1)
+    )
     k = torch.randn(length, kv_heads * head_dim, generator=torch.Generator().manual_seed(2))
     stock_q, stock_k = rotary.forward_native(positions.text[:, 0], q.clone(), k.clone())
     mine_attn = ours.model.language_model.layers[self_index].self_attn
@@ -183,9 +202,22 @@ def test_chat_template_renders_like_sglang_moss_vl_conversation(processor):
 
     openai_messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///a.png"}}, {"type": "text", "text": "What is this?"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "file:///a.png"}},
+                {"type": "text", "text": "What is this?"},
+            ],
+        },
         {"role": "assistant", "content": "A square."},
-        {"role": "user", "content": [{"type": "text", "text": "And here"}, {"type": "video_url", "video_url": {"url": "file:///v.mp4"}}, {"type": "text", "text": "?"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "And here"},
+                {"type": "video_url", "video_url": {"url": "file:///v.mp4"}},
+                {"type": "text", "text": "?"},
+            ],
+        },
     ]
     stock = generate_chat_conv(ChatCompletionRequest(model="m", messages=openai_messages), "moss-vl").get_prompt()
     assert processor.apply_chat_template(openai_messages, add_generation_prompt=True) == stock
@@ -210,7 +242,8 @@ args = ServerArgs(model_path=checkpoint, trust_remote_code=True, device="cpu", p
 set_global_server_args_for_tokenizer(args)
 stock = MossVLImageProcessor(AutoConfig.from_pretrained(checkpoint, trust_remote_code=True), args,
                              get_processor(checkpoint, trust_remote_code=True), determine_tensor_transport_mode())
-out = asyncio.run(stock.process_mm_data_async([Image.open(image).convert("RGB")], text, SimpleNamespace(video_data=[video])))
+images = [Image.open(image).convert("RGB")]
+out = asyncio.run(stock.process_mm_data_async(images, text, SimpleNamespace(video_data=[video])))
 print(json.dumps({"input_ids": out.input_ids, "grid_thw": out.mm_items[0].grid_thw.tolist(),
                   "mrope": out.mrope_positions.tolist(), "vision": out.vision_position_ids.tolist(),
                   "counts": out.visible_frame_counts.tolist()}))
@@ -229,8 +262,16 @@ def test_stock_multimodal_processor_runs_our_processor_end_to_end(checkpoint, pr
     image, video = str(ASSETS / "square_64.png"), str(ASSETS / "moving_square_3s.mp4")
     text = "<|im_start|>user\n<|image|>What moves in<|video|>?<|im_end|>\n<|im_start|>assistant\n"
     repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo / "cpu_shim"), str(repo), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", STOCK_PIPELINE_SCRIPT, str(checkpoint), image, video, text], capture_output=True, text=True, timeout=300, env=env)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(repo / "cpu_shim"), str(repo), os.environ.get("PYTHONPATH", "")])
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", STOCK_PIPELINE_SCRIPT, str(checkpoint), image, video, text],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     stock = json.loads(result.stdout.strip().splitlines()[-1])
     mine = processor(text=text, images=[image], videos=[video])
@@ -279,7 +320,9 @@ class DenseOracleAttention:
         return out.reshape(rows, heads * dim)
 
 
-def test_stock_language_model_with_dense_attention_equals_ours_prefill_and_decode(sglang_model, sglang_processor, processor, ours):
+def test_stock_language_model_with_dense_attention_equals_ours_prefill_and_decode(
+    sglang_model, sglang_processor, processor, ours
+):
     """Stock sglang's MossVL forward (vision, separators, row gating, every decoder layer) with
     the dense attention above gives our logits for the prompt and for greedy decode steps."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -287,11 +330,20 @@ def test_stock_language_model_with_dense_attention_equals_ours_prefill_and_decod
 
     model, _ = sglang_model
     text = "<|im_start|>user\nBefore <|image|> between<|video|> after<|im_end|>\n<|im_start|>assistant\n"
-    inputs = processor(text=text, images=[str(ASSETS / "gradient_96x64.png")], videos=[str(ASSETS / "moving_square_3s.mp4")])
+    inputs = processor(
+        text=text, images=[str(ASSETS / "gradient_96x64.png")], videos=[str(ASSETS / "moving_square_3s.mp4")]
+    )
     grid = inputs["grid_thw"]
     counts = (~inputs["cross_attention_mask"][0, 0]).sum(-1)
-    frame_of_key = torch.cat([torch.full((h * w // 4 + 1,), f) for f, (h, w) in enumerate((h, w) for t, h, w in grid.tolist() for _ in range(t))])
-    mrope, delta, vision_ids, _ = sglang_processor._compute_position_metadata(inputs["input_ids"], inputs["attention_mask"], grid, inputs["media_nums_per_sample"])
+    frame_of_key = torch.cat(
+        [
+            torch.full((h * w // 4 + 1,), f)
+            for f, (h, w) in enumerate((h, w) for t, h, w in grid.tolist() for _ in range(t))
+        ]
+    )
+    mrope, delta, vision_ids, _ = sglang_processor._compute_position_metadata(
+        inputs["input_ids"], inputs["attention_mask"], grid, inputs["media_nums_per_sample"]
+    )
     length, encoder_len = inputs["input_ids"].shape[1], frame_of_key.shape[0]
     mm_input = SimpleNamespace(
         mm_items=[SimpleNamespace(feature=inputs["pixel_values"], grid_thw=grid)],
@@ -302,19 +354,38 @@ def test_stock_language_model_with_dense_attention_equals_ours_prefill_and_decod
 
     def batch(mode, new_tokens, prefix, positions):
         return SimpleNamespace(
-            forward_mode=mode, batch_size=1, mm_inputs=[mm_input], encoder_cached=[mode.is_decode()],
-            encoder_lens_cpu=[encoder_len], encoder_lens=torch.tensor([encoder_len]), seq_lens=torch.tensor([prefix + new_tokens]),
-            extend_seq_lens=torch.tensor([new_tokens]), extend_seq_lens_cpu=[new_tokens], extend_prefix_lens_cpu=[prefix],
-            mrope_positions=positions, residual_stream=None, global_num_token_non_padded_cpu=None, attn_cp_metadata=None,
+            forward_mode=mode,
+            batch_size=1,
+            mm_inputs=[mm_input],
+            encoder_cached=[mode.is_decode()],
+            encoder_lens_cpu=[encoder_len],
+            encoder_lens=torch.tensor([encoder_len]),
+            seq_lens=torch.tensor([prefix + new_tokens]),
+            extend_seq_lens=torch.tensor([new_tokens]),
+            extend_seq_lens_cpu=[new_tokens],
+            extend_prefix_lens_cpu=[prefix],
+            mrope_positions=positions,
+            residual_stream=None,
+            global_num_token_non_padded_cpu=None,
+            attn_cp_metadata=None,
         )
 
     def stock_logits(ids, forward_batch):
         pixels, grid_thw, vision_positions = model._collect_mm_data(forward_batch)
-        states = None if pixels is None else model._insert_separator_tokens(model._get_vision_features(pixels, grid_thw), grid_thw)
+        states = (
+            None
+            if pixels is None
+            else model._insert_separator_tokens(model._get_vision_features(pixels, grid_thw), grid_thw)
+        )
         hidden = model.language_model(
-            input_ids=ids, positions=forward_batch.mrope_positions, cross_attention_states=states, cross_attention_mask=None,
-            full_text_row_masked_out_mask=model.get_full_text_row_masked_out_mask(forward_batch), forward_batch=forward_batch,
-            skip_cross_attention=False, vision_position_ids=vision_positions,
+            input_ids=ids,
+            positions=forward_batch.mrope_positions,
+            cross_attention_states=states,
+            cross_attention_mask=None,
+            full_text_row_masked_out_mask=model.get_full_text_row_masked_out_mask(forward_batch),
+            forward_batch=forward_batch,
+            skip_cross_attention=False,
+            vision_position_ids=vision_positions,
         )
         return hidden @ model.language_model.lm_head.weight.T
 
@@ -325,7 +396,9 @@ def test_stock_language_model_with_dense_attention_equals_ours_prefill_and_decod
             tokens = [int(stock[0][-1].argmax())]
             for step in range(3):
                 position = torch.full((3, 1), length + step + int(delta.flatten()[0]))
-                stock.append(stock_logits(torch.tensor(tokens[-1:]), batch(ForwardMode.DECODE, 1, length + step, position)))
+                stock.append(
+                    stock_logits(torch.tensor(tokens[-1:]), batch(ForwardMode.DECODE, 1, length + step, position))
+                )
                 tokens.append(int(stock[-1][-1].argmax()))
     finally:
         set_forward_context(previous)
@@ -337,5 +410,7 @@ def test_stock_language_model_with_dense_attention_equals_ours_prefill_and_decod
         mask = inputs["attention_mask"]
         for step in range(3):
             mask = torch.cat((mask, torch.ones(1, 1, dtype=mask.dtype)), dim=1)
-            step_logits = ours(torch.tensor([[tokens[step]]]), mask, past_key_values=out.past_key_values, use_cache=True).logits[0]
+            step_logits = ours(
+                torch.tensor([[tokens[step]]]), mask, past_key_values=out.past_key_values, use_cache=True
+            ).logits[0]
             torch.testing.assert_close(step_logits, stock[step + 1], rtol=1e-4, atol=1e-4)

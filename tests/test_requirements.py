@@ -17,9 +17,21 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CUDA_ONLY = {
     canonicalize_name(n)
     for n in (
-        "sglang-kernel", "flashinfer_python", "flash-attn-4", "nvidia-cutlass-dsl", "nvidia-mathdx",
-        "nvshmem4py-cu13", "cuda-python", "tilelang", "quack-kernels", "humming-kernels", "sgl-deep-ep",
-        "sgl-deep-gemm", "sgl-flash-mla", "torch_memory_saver", "kernels",
+        "sglang-kernel",
+        "flashinfer_python",
+        "flash-attn-4",
+        "nvidia-cutlass-dsl",
+        "nvidia-mathdx",
+        "nvshmem4py-cu13",
+        "cuda-python",
+        "tilelang",
+        "quack-kernels",
+        "humming-kernels",
+        "sgl-deep-ep",
+        "sgl-deep-gemm",
+        "sgl-flash-mla",
+        "torch_memory_saver",
+        "kernels",
     )
 }
 # Pinned by sglang to builds that drag in another torch; replaced on purpose (video decoding uses PyAV).

@@ -15,8 +15,6 @@ import logging
 
 import pytest
 
-from sglang.srt.plugins.hook_registry import HookRegistry
-
 from mossvl_ascend import server_args as mossvl_server_args
 from support.hooks import patches_applied
 
@@ -150,9 +148,7 @@ def test_npu_radix_cache_opt_in(model_dir, npu_memory_stand_in, plugin_log, monk
 
 
 @pytest.mark.parametrize("name,value", [("ASCEND_USE_FIA", "1"), ("ASCEND_USE_FA", "true")])
-def test_npu_refuses_fused_ascend_extend_env(
-    model_dir, npu_memory_stand_in, monkeypatch, name, value
-):
+def test_npu_refuses_fused_ascend_extend_env(model_dir, npu_memory_stand_in, monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         resolve(model_dir, "--device", "npu")
@@ -243,7 +239,9 @@ def test_cuda_still_turns_chunked_prefill_off(model_dir):
     assert resolve(model_dir, "--device", "cuda", "--chunked-prefill-size", "256").chunked_prefill_size == -1
 
 
-@pytest.mark.parametrize("argv", [["--device", "npu"], ["--device", "cpu", "--disable-radix-cache"]], ids=["npu", "cpu"])
+@pytest.mark.parametrize(
+    "argv", [["--device", "npu"], ["--device", "cpu", "--disable-radix-cache"]], ids=["npu", "cpu"]
+)
 def test_chunked_prefill_stays_off_without_the_radix_cache(model_dir, npu_memory_stand_in, argv):
     # NPU disables the radix cache by default; a continuing chunk of a vision request fails there.
     view = resolve(model_dir, *argv, "--chunked-prefill-size", "256")

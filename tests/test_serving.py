@@ -44,7 +44,9 @@ def reference(checkpoint):
 @pytest.fixture(scope="module")
 def server(checkpoint, reference):
     with SglangServer(
-        checkpoint, extra_args=["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"], name="test-serving"
+        checkpoint,
+        extra_args=["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"],
+        name="test-serving",
     ) as running:
         yield running
 
@@ -78,8 +80,12 @@ def test_same_request_twice_hits_the_radix_cache_with_identical_output(client, m
 def test_streaming_with_usage_equals_the_non_streamed_answer(client, model_name):
     expected = served_ids(client, model_name, CASES["image_data_url"])
     stream = client.chat.completions.create(
-        model=model_name, messages=to_openai(CASES["image_data_url"]), **GREEDY, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=model_name,
+        messages=to_openai(CASES["image_data_url"]),
+        **GREEDY,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     pieces, usage_chunks = [], []
     for chunk in stream:
@@ -112,7 +118,9 @@ def oversized_png() -> str:
 
 
 def with_image(url: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}]
+    return [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}
+    ]
 
 
 BAD_REQUESTS = {
@@ -146,4 +154,3 @@ def test_bad_input_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving(se
         model=model_name, messages=[{"role": "user", "content": "still there?"}], max_tokens=2, temperature=0
     )
     assert valid.usage.completion_tokens >= 1
-

@@ -13,20 +13,26 @@ from __future__ import annotations
 import pytest
 import requests
 import torch
+from serving_support import ASSETS, data_url, load_reference
 
 from serving.launch import SglangServer
-from serving_support import ASSETS, data_url, load_reference
 
 pytestmark = pytest.mark.timeout(900)
 
 FILLER = " ".join(["The scene shows shapes and colours that change slowly across the frame."] * 6)
-MESSAGES = [{"role": "user", "content": [
-    {"type": "image", "image": str(ASSETS / "square_64.png")}, {"type": "text", "text": "First picture. " + FILLER},
-    {"type": "image", "image": str(ASSETS / "gradient_96x64.png")},
-    {"type": "text", "text": "Second picture. " + FILLER},
-    {"type": "image", "image": str(ASSETS / "square_64.png")},
-    {"type": "text", "text": "Third picture. " + FILLER + " Compare them."},
-]}]
+MESSAGES = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "image", "image": str(ASSETS / "square_64.png")},
+            {"type": "text", "text": "First picture. " + FILLER},
+            {"type": "image", "image": str(ASSETS / "gradient_96x64.png")},
+            {"type": "text", "text": "Second picture. " + FILLER},
+            {"type": "image", "image": str(ASSETS / "square_64.png")},
+            {"type": "text", "text": "Third picture. " + FILLER + " Compare them."},
+        ],
+    }
+]
 IMAGES = [part["image"] for part in MESSAGES[0]["content"] if part["type"] == "image"]
 
 

@@ -30,16 +30,27 @@ LONG_QUESTION = (
     "is compared with the others, whether anything overlaps, and what a person would notice first when looking "
     "at it for the first time, then say which part of the picture is the brightest and which is the darkest."
 )
-FIRST_TURN = {"role": "user", "content": [
-    {"type": "image", "image": str(ASSETS / "square_64.png")}, {"type": "text", "text": LONG_QUESTION},
-]}
+FIRST_TURN = {
+    "role": "user",
+    "content": [
+        {"type": "image", "image": str(ASSETS / "square_64.png")},
+        {"type": "text", "text": LONG_QUESTION},
+    ],
+}
 CONVERSATION_TURNS = [
     [FIRST_TURN],
-    [FIRST_TURN, {"role": "assistant", "content": "A red square on a dark background."},
-     {"role": "user", "content": "Where exactly is the square?"}],
-    [FIRST_TURN, {"role": "assistant", "content": "A red square on a dark background."},
-     {"role": "user", "content": "Where exactly is the square?"},
-     {"role": "assistant", "content": "In the middle."}, {"role": "user", "content": "And its colour again?"}],
+    [
+        FIRST_TURN,
+        {"role": "assistant", "content": "A red square on a dark background."},
+        {"role": "user", "content": "Where exactly is the square?"},
+    ],
+    [
+        FIRST_TURN,
+        {"role": "assistant", "content": "A red square on a dark background."},
+        {"role": "user", "content": "Where exactly is the square?"},
+        {"role": "assistant", "content": "In the middle."},
+        {"role": "user", "content": "And its colour again?"},
+    ],
 ]
 
 
@@ -48,7 +59,9 @@ def long_encoder_request(tmp_path_factory):
     """One 512x512 image: 16x16 merged tokens + separator = 257 encoder tokens, more than a 128-token page pair."""
     path = tmp_path_factory.mktemp("media") / "noise_512.png"
     Image.effect_noise((512, 512), 64).convert("RGB").save(path)
-    return [{"role": "user", "content": [{"type": "image", "image": str(path)}, {"type": "text", "text": "Describe it."}]}]
+    return [
+        {"role": "user", "content": [{"type": "image", "image": str(path)}, {"type": "text", "text": "Describe it."}]}
+    ]
 
 
 @pytest.fixture(scope="module")

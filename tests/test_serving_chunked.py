@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 from openai import OpenAI
+from serving_support import ASSETS, CASES, GREEDY, MAX_TOKENS, load_reference, reference_ids, served_ids, to_openai
 
 from serving.launch import REPO_ROOT, SglangServer
-from serving_support import ASSETS, CASES, GREEDY, MAX_TOKENS, load_reference, reference_ids, served_ids, to_openai
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -169,7 +169,7 @@ def mixed(checkpoint, reference, unchunked, one_row):
         served = served_cases(client, model_name)
         batches = prefill_batches(server)
         load = run_load(client, model_name, lambda c, m, messages: served_ids(c, m, messages))
-        load_batches = prefill_batches(server)[len(batches):]
+        load_batches = prefill_batches(server)[len(batches) :]
         flush_radix_cache(server)  # the TTFT round starts cold, as on the unchunked server
         streamed = run_load(client, model_name, streamed_ttft)
     return {"served": served, "batches": batches, "load": load, "load_batches": load_batches, "streamed": streamed}

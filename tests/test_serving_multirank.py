@@ -25,7 +25,6 @@ import pytest
 from openai import OpenAI
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
-
 from mossvl_ascend import cpu_parallel, rank_report
 from mossvl_ascend.cpu_parallel import without_pynccl
 from serving.launch import SglangServer, cpu_threads_bind, rank_count
@@ -66,8 +65,12 @@ def served(request, references):
         STARTUP_SECONDS[name] = server.startup_seconds
         client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=300)
         yield {
-            "name": name, "server": server, "client": client, "model": client.models.list().data[0].id,
-            "expected": references[preset], "ranks": ranks,
+            "name": name,
+            "server": server,
+            "client": client,
+            "model": client.models.list().data[0].id,
+            "expected": references[preset],
+            "ranks": ranks,
         }
 
 

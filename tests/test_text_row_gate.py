@@ -10,7 +10,6 @@ import inspect
 
 import pytest
 import torch
-
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from mossvl_ascend import text_row_gate
@@ -48,7 +47,9 @@ def mixed_batch():
     return forward_batch
 
 
-EXPECTED_GATE = [False, True, True, True] + [True] + [False] + [False, False, True, True, True, True, True, True, True, True]
+EXPECTED_GATE = (
+    [False, True, True, True] + [True] + [False] + [False, False, True, True, True, True, True, True, True, True]
+)
 
 
 def test_rows_past_the_prompt_see_the_last_prompt_row():

@@ -14,16 +14,10 @@ ASCEND_BACKEND_MODULE = "sglang.srt.hardware_backend.npu.attention.ascend_backen
 
 
 def _takes_encoder_decoder_route(backend, forward_batch) -> bool:
-    return (
-        forward_batch.encoder_lens is not None
-        and not backend.use_mla
-        and not backend.graph_mode
-    )
+    return forward_batch.encoder_lens is not None and not backend.use_mla and not backend.graph_mode
 
 
-def _encoder_decoder_forward(
-    original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs
-):
+def _encoder_decoder_forward(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
     """AROUND hook shared by forward_extend and forward_decode (the batch's mode picks the math)."""
     if not _takes_encoder_decoder_route(backend, forward_batch):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)

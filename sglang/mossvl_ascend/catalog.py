@@ -51,7 +51,9 @@ def render_verified(entry: Verified) -> str:
 def render_catalog() -> str:
     sections = [HEADER]
     for module in patch_modules():
-        entries = [render_patch(p) for p in module.PATCHES] + [render_verified(v) for v in getattr(module, "VERIFIED", ())]
+        entries = [render_patch(p) for p in module.PATCHES] + [
+            render_verified(v) for v in getattr(module, "VERIFIED", ())
+        ]
         summary = (module.__doc__ or "").strip().splitlines()[0]
         sections.append(f"## `{module.__name__}` — {summary}\n\n" + "\n\n".join(entries))
     return "\n\n".join(sections) + "\n"

@@ -44,7 +44,8 @@ PATCHES = tuple(
             "all (every text row would see every frame), and it is different code from what runs on the NPU."
         ),
         how=(
-            "a batch with `forward_batch.encoder_lens` is handed to `attention.sglang_layer.encoder_decoder_attention`: "
+            "a batch with `forward_batch.encoder_lens` is handed to "
+            "`attention.sglang_layer.encoder_decoder_attention`: "
             "the same KV write, metadata and batched core the Ascend backend hook runs; only the KV pool class and "
             "the device primitive differ. Every other batch goes to the stock method."
         ),

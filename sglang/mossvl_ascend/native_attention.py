@@ -60,8 +60,14 @@ def _route_encoder_batches_extend(original, backend, *args, cross_attention_cust
     layer = AttentionLayer(params["is_cross_attention"], scale, params["causal"], params["logit_cap"])
     # Stock applies no sliding window to encoder batches either.
     params["output"][:] = attention(
-        query, params["k_cache"], params["v_cache"], params["req_to_token"], params["req_pool_indices"], metadata,
-        layer, full_to_swa_mapping=params["full_to_swa_mapping"],
+        query,
+        params["k_cache"],
+        params["v_cache"],
+        params["req_to_token"],
+        params["req_pool_indices"],
+        metadata,
+        layer,
+        full_to_swa_mapping=params["full_to_swa_mapping"],
     )
     return params["output"]
 

@@ -25,9 +25,7 @@ def ends_inside_encoder(matched_len: int, encoder_len: int) -> bool:
     return 0 < matched_len < encoder_len
 
 
-def match_whole_encoder_or_nothing(
-    original: Callable, req: Any, tree_cache: Any, *args: Any, **kwargs: Any
-):
+def match_whole_encoder_or_nothing(original: Callable, req: Any, tree_cache: Any, *args: Any, **kwargs: Any):
     """AROUND hook on ``match_kv_cache``: drop a match that would split the encoder span."""
     result = original(req, tree_cache, *args, **kwargs)
     encoder_len = encoder_len_of(req)
@@ -35,8 +33,7 @@ def match_whole_encoder_or_nothing(
     if not ends_inside_encoder(matched_len, encoder_len):
         return result
     logger.debug(
-        "request %s: prefix match of %d tokens ends inside its %d encoder tokens; recomputing "
-        "the encoder whole",
+        "request %s: prefix match of %d tokens ends inside its %d encoder tokens; recomputing the encoder whole",
         req.rid,
         matched_len,
         encoder_len,
@@ -69,7 +66,9 @@ PATCHES = (
             "`model_config` through every `init_next_round_input` caller instead; reading the encoder length from "
             "the request makes those edits unnecessary."
         ),
-        upstream="open in 0.5.23 (stock CUDA servers can hit the same assertion with per-image encoder items, e.g. mllama)",
+        upstream=(
+            "open in 0.5.23 (stock CUDA servers can hit the same assertion with per-image encoder items, e.g. mllama)"
+        ),
         remove_when=(
             "sglang truncates prefix matches to encoder boundaries itself, or `prepare_encoder_info_extend` accepts a "
             "partial encoder prefix"

@@ -24,7 +24,12 @@ def report_rank(result, *args, **kwargs) -> None:
     parallel = get_parallel()
     logger.info(
         "%s active in scheduler pid %d: tp_rank=%d/%d dp_rank=%s pp_rank=%d; patch modules %s",
-        PLUGIN_NAME, os.getpid(), parallel.tp_rank, parallel.tp_size, parallel.dp_rank, parallel.pp_rank,
+        PLUGIN_NAME,
+        os.getpid(),
+        parallel.tp_rank,
+        parallel.tp_size,
+        parallel.dp_rank,
+        parallel.pp_rank,
         ", ".join(PATCH_MODULES),
     )
 

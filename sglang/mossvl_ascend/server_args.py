@@ -78,9 +78,7 @@ def npu_declarations(server_args: Any) -> Dict[str, Any]:
         declare_resolution(
             server_args,
             "mossvl_ascend.server_args",
-            cuda_graph_config=with_phase(
-                cfg.cuda_graph_config, Phase.DECODE, backend=Backend.DISABLED
-            ),
+            cuda_graph_config=with_phase(cfg.cuda_graph_config, Phase.DECODE, backend=Backend.DISABLED),
         )
     return declared
 
@@ -111,9 +109,7 @@ def keep_chunked_prefill(server_args: Any) -> None:
 _DECLARATIONS_BY_DEVICE = {"npu": npu_declarations, "cpu": cpu_declarations}
 
 
-def moss_vl_provider_around(
-    original: Callable, fn: Callable, server_args: Any, hf_config: Any
-) -> dict:
+def moss_vl_provider_around(original: Callable, fn: Callable, server_args: Any, hf_config: Any) -> dict:
     """AROUND hook: swap the stock MOSS-VL provider's result on NPU and CPU."""
     if _is_stock_moss_vl_provider(fn):
         from sglang.srt.arg_groups.model_override_base import resolving_view

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend import (
     AscendTorchNativeAttnBackend,
 )
@@ -149,9 +148,7 @@ class Batch:
     def packed_mask(self):
         """uint8, 1 = visible, per request [extend_len x encoder_len] row-major, batch order."""
         parts = [
-            r.new_token_visibility().to(torch.uint8).flatten()
-            for r in self.requests
-            if r.encoder_len and r.extend_len
+            r.new_token_visibility().to(torch.uint8).flatten() for r in self.requests if r.encoder_len and r.extend_len
         ]
         return torch.cat(parts)
 
@@ -177,8 +174,19 @@ def build_batch(requests, num_heads=4, num_kv_heads=2, seed=0) -> Batch:
     total_new = sum(r.extend_len for r in requests)
     query = torch.randn(total_new, num_heads, HEAD_DIM, generator=gen)
     return Batch(
-        requests, num_heads, num_kv_heads, req_pool_indices, req_to_token, k_cache, v_cache,
-        encoder_k, encoder_v, text_k, text_v, query, slots,
+        requests,
+        num_heads,
+        num_kv_heads,
+        req_pool_indices,
+        req_to_token,
+        k_cache,
+        v_cache,
+        encoder_k,
+        encoder_v,
+        text_k,
+        text_v,
+        query,
+        slots,
     )
 
 
@@ -188,8 +196,12 @@ def reference_cross_extend(batch, scale, logit_cap=0.0):
         if req.encoder_len == 0:
             continue  # no vision input: cross-attention contributes zeros
         out[batch.query_rows(i)] = reference_attention(
-            batch.query[batch.query_rows(i)], batch.encoder_k[i], batch.encoder_v[i],
-            req.new_token_visibility(), scale, logit_cap,
+            batch.query[batch.query_rows(i)],
+            batch.encoder_k[i],
+            batch.encoder_v[i],
+            req.new_token_visibility(),
+            scale,
+            logit_cap,
         )
     return out
 
@@ -198,8 +210,12 @@ def reference_self_extend(batch, scale, logit_cap=0.0):
     out = torch.zeros_like(batch.query)
     for i, req in enumerate(batch.requests):
         out[batch.query_rows(i)] = reference_attention(
-            batch.query[batch.query_rows(i)], batch.text_k[i], batch.text_v[i],
-            causal_with_prefix(req.extend_len, req.prefix_len), scale, logit_cap,
+            batch.query[batch.query_rows(i)],
+            batch.text_k[i],
+            batch.text_v[i],
+            causal_with_prefix(req.extend_len, req.prefix_len),
+            scale,
+            logit_cap,
         )
     return out
 
@@ -207,11 +223,22 @@ def reference_self_extend(batch, scale, logit_cap=0.0):
 def run_native_extend(native, batch, *, cross, mask, scale, logit_cap=0.0):
     output = torch.full_like(batch.query, float("nan"))
     return native.run_sdpa_forward_extend(
-        batch.query, output, batch.k_cache, batch.v_cache, batch.req_to_token,
-        batch.req_pool_indices, batch.seq_lens, batch.extend_prefix_lens, batch.extend_seq_lens,
-        batch.encoder_lens, is_cross_attention=cross, scaling=scale,
-        enable_gqa=batch.num_heads != batch.num_kv_heads, causal=not cross,
-        logit_cap=logit_cap, cross_attention_custom_mask=mask,
+        batch.query,
+        output,
+        batch.k_cache,
+        batch.v_cache,
+        batch.req_to_token,
+        batch.req_pool_indices,
+        batch.seq_lens,
+        batch.extend_prefix_lens,
+        batch.extend_seq_lens,
+        batch.encoder_lens,
+        is_cross_attention=cross,
+        scaling=scale,
+        enable_gqa=batch.num_heads != batch.num_kv_heads,
+        causal=not cross,
+        logit_cap=logit_cap,
+        cross_attention_custom_mask=mask,
     )
 
 
@@ -266,12 +293,15 @@ def make_layers(logit_cap=0.0):
 
     num_heads, num_kv_heads = ROUTE_HEADS
     cross = RadixAttention(
-        num_heads, HEAD_DIM, SCALE, num_kv_heads, layer_id=CROSS_LAYER_ID,
-        is_cross_attention=True, logit_cap=logit_cap,
+        num_heads,
+        HEAD_DIM,
+        SCALE,
+        num_kv_heads,
+        layer_id=CROSS_LAYER_ID,
+        is_cross_attention=True,
+        logit_cap=logit_cap,
     )
-    self_attn = RadixAttention(
-        num_heads, HEAD_DIM, SCALE, num_kv_heads, layer_id=SELF_LAYER_ID, logit_cap=logit_cap
-    )
+    self_attn = RadixAttention(num_heads, HEAD_DIM, SCALE, num_kv_heads, layer_id=SELF_LAYER_ID, logit_cap=logit_cap)
     return cross, self_attn
 
 
@@ -339,12 +369,13 @@ def check_extend_cross_writes_new_encoder_and_applies_mask(backend, pool, req_to
     others_before = pool_rows(pool, CROSS_LAYER_ID, batch.slots[2])
     cross, _ = make_layers(logit_cap)
     forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
-        encoder_out_cache_loc=fresh, mask=batch.packed_mask(),
+        batch,
+        ForwardMode.EXTEND,
+        out_cache_loc=new_text_slots(batch),
+        encoder_out_cache_loc=fresh,
+        mask=batch.packed_mask(),
     )
-    out = backend.forward(
-        batch.query.flatten(1), batch.encoder_k[0], batch.encoder_v[0], cross, forward_batch
-    )
+    out = backend.forward(batch.query.flatten(1), batch.encoder_k[0], batch.encoder_v[0], cross, forward_batch)
     expected = reference_cross_extend(batch, SCALE, logit_cap)
     torch.testing.assert_close(out.view_as(expected), expected, atol=1e-5, rtol=1e-5)
     written_k, written_v = pool_rows(pool, CROSS_LAYER_ID, fresh)
@@ -360,8 +391,11 @@ def check_extend_cross_with_cached_encoders_writes_nothing(backend, pool, req_to
     k_before = pool.get_key_buffer(CROSS_LAYER_ID).clone()
     cross, _ = make_layers()
     forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
-        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
+        batch,
+        ForwardMode.EXTEND,
+        out_cache_loc=new_text_slots(batch),
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long),
+        mask=batch.packed_mask(),
     )
     out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch)
     expected = reference_cross_extend(batch, SCALE)
@@ -378,8 +412,11 @@ def check_extend_self_with_cached_prefix(backend, pool, req_to_token_pool, logit
     new_k = torch.cat([k[r.prefix_len :] for r, k in zip(batch.requests, batch.text_k)])
     new_v = torch.cat([v[r.prefix_len :] for r, v in zip(batch.requests, batch.text_v)])
     forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_slots,
-        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
+        batch,
+        ForwardMode.EXTEND,
+        out_cache_loc=new_slots,
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long),
+        mask=batch.packed_mask(),
     )
     out = backend.forward(batch.query.flatten(1), new_k, new_v, self_attn, forward_batch)
     expected = reference_self_extend(batch, SCALE, logit_cap)
@@ -393,7 +430,9 @@ def check_decode_cross_reads_cached_encoder_and_sees_all_frames(backend, pool, r
     k_before = pool.get_key_buffer(CROSS_LAYER_ID).clone()
     cross, _ = make_layers(logit_cap)
     forward_batch = make_forward_batch(
-        batch, ForwardMode.DECODE, out_cache_loc=new_text_slots(batch),
+        batch,
+        ForwardMode.DECODE,
+        out_cache_loc=new_text_slots(batch),
         encoder_out_cache_loc=torch.zeros(0, dtype=torch.long),
     )
     out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch).view_as(batch.query)
@@ -412,7 +451,9 @@ def check_decode_self_writes_token_and_reads_text_window(backend, pool, req_to_t
     load_batch_into_pools(batch, pool, req_to_token_pool, except_slots=[new_slots])
     _, self_attn = make_layers()
     forward_batch = make_forward_batch(
-        batch, ForwardMode.DECODE, out_cache_loc=new_slots,
+        batch,
+        ForwardMode.DECODE,
+        out_cache_loc=new_slots,
         encoder_out_cache_loc=torch.zeros(0, dtype=torch.long),
     )
     new_k = torch.stack([k[-1] for k in batch.text_k])
@@ -432,8 +473,11 @@ def cross_extend_of_one_request(backend, pool, req_to_token_pool):
     batch = build_batch([example_requests()[0]], *ROUTE_HEADS)
     load_batch_into_pools(batch, pool, req_to_token_pool)
     forward_batch = make_forward_batch(
-        batch, ForwardMode.EXTEND, out_cache_loc=new_text_slots(batch),
-        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long), mask=batch.packed_mask(),
+        batch,
+        ForwardMode.EXTEND,
+        out_cache_loc=new_text_slots(batch),
+        encoder_out_cache_loc=torch.zeros(0, dtype=torch.long),
+        mask=batch.packed_mask(),
     )
     cross, _ = make_layers()
     out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch)

@@ -131,7 +131,12 @@ def through_core(q, k, v, boundaries, scale, logit_cap=0.0):
     k_cache, v_cache, req_to_token = one_request_pool(q, k, v)
     metadata = ForwardAttentionMetadata.build([rows], [0], [encoder_len], [boundaries.to(torch.int32)])
     out = attention(
-        q.transpose(0, 1).contiguous(), k_cache, v_cache, req_to_token, torch.tensor([1]), metadata,
+        q.transpose(0, 1).contiguous(),
+        k_cache,
+        v_cache,
+        req_to_token,
+        torch.tensor([1]),
+        metadata,
         AttentionLayer(True, scale, False, logit_cap),
     )
     return out.transpose(0, 1)
@@ -148,9 +153,21 @@ def through_stock_method(native, q, k, v, boundaries, scale, logit_cap=0.0):
     query = q.transpose(0, 1).contiguous()
     output = torch.full((rows, num_heads, v.shape[-1]), float("nan"), dtype=q.dtype)
     native.run_sdpa_forward_extend(
-        query, output, k_cache, v_cache, req_to_token, torch.tensor([1]), torch.tensor([rows]),
-        torch.tensor([0]), torch.tensor([rows]), torch.tensor([encoder_len]), is_cross_attention=True,
-        scaling=scale, enable_gqa=num_heads != num_kv_heads, causal=False, logit_cap=logit_cap,
+        query,
+        output,
+        k_cache,
+        v_cache,
+        req_to_token,
+        torch.tensor([1]),
+        torch.tensor([rows]),
+        torch.tensor([0]),
+        torch.tensor([rows]),
+        torch.tensor([encoder_len]),
+        is_cross_attention=True,
+        scaling=scale,
+        enable_gqa=num_heads != num_kv_heads,
+        causal=False,
+        logit_cap=logit_cap,
         cross_attention_custom_mask=packed_mask(boundaries, encoder_len),
     )
     return output.transpose(0, 1)

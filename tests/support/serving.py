@@ -27,11 +27,16 @@ def image(name: str, text: str) -> dict:
 
 CASES = {
     "image_data_url": [image("square_64.png", "What is in this image?")],
-    "two_images": [{"role": "user", "content": [
-        {"type": "image", "image": str(ASSETS / "square_64.png")},
-        {"type": "image", "image": str(ASSETS / "gradient_96x64.png")},
-        {"type": "text", "text": "Compare the two images."},
-    ]}],
+    "two_images": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": str(ASSETS / "square_64.png")},
+                {"type": "image", "image": str(ASSETS / "gradient_96x64.png")},
+                {"type": "text", "text": "Compare the two images."},
+            ],
+        }
+    ],
     "three_turns": [
         image("square_64.png", "What is the first picture?"),
         {"role": "assistant", "content": "A square."},
@@ -39,21 +44,29 @@ CASES = {
         {"role": "assistant", "content": "A gradient."},
         image("tiny_8x8.png", "Which of the three is smallest?"),
     ],
-    "video": [{"role": "user", "content": [
-        {"type": "video", "video": str(ASSETS / "moving_square_3s.mp4")},
-        {"type": "text", "text": "What moves in this video?"},
-    ]}],
+    "video": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video", "video": str(ASSETS / "moving_square_3s.mp4")},
+                {"type": "text", "text": "What moves in this video?"},
+            ],
+        }
+    ],
     "text_only": [{"role": "user", "content": "Tell me about cats."}],
     # The two images of "two_images" again, after other text: on a warm server the radix cache must not reuse
     # encoder keys rotated for the earlier positions.
     "same_images_shifted": [
         {"role": "system", "content": "You are a careful assistant who looks twice."},
-        {"role": "user", "content": [
-            {"type": "text", "text": "Here are two pictures."},
-            {"type": "image", "image": str(ASSETS / "square_64.png")},
-            {"type": "image", "image": str(ASSETS / "gradient_96x64.png")},
-            {"type": "text", "text": "Compare the two images."},
-        ]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Here are two pictures."},
+                {"type": "image", "image": str(ASSETS / "square_64.png")},
+                {"type": "image", "image": str(ASSETS / "gradient_96x64.png")},
+                {"type": "text", "text": "Compare the two images."},
+            ],
+        },
     ],
 }
 

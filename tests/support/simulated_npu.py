@@ -118,9 +118,7 @@ def run_python(code, *argv):
     )
 
 
-def run_simulated_npu(
-    tmp_path, imports, register_plugin, torch_npu_patch_api="apply_all_patches"
-):
+def run_simulated_npu(tmp_path, imports, register_plugin, torch_npu_patch_api="apply_all_patches"):
     """Import ``imports`` in a fresh interpreter on the simulated Ascend host; return its report."""
     norm = tmp_path / "broken_kernel" / "sgl_kernel_npu" / "norm"
     norm.mkdir(parents=True, exist_ok=True)

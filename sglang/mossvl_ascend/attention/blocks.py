@@ -69,9 +69,7 @@ def encoder_boundaries_from_visible_frames(
     return boundaries.to(torch.int32)
 
 
-def encoder_boundaries_from_packed_mask(
-    mask_slice: torch.Tensor, q_len: int, kv_len: int
-) -> torch.Tensor:
+def encoder_boundaries_from_packed_mask(mask_slice: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
     """Per-row boundaries of one request's slice of a stock packed mask (uint8, 1 = visible).
 
     Raises ValueError when a row is not a prefix ``[0, boundary)``: no MOSS-VL producer makes such a mask, and
@@ -79,8 +77,7 @@ def encoder_boundaries_from_packed_mask(
     """
     if mask_slice.numel() != q_len * kv_len:
         raise ValueError(
-            f"packed mask slice has {mask_slice.numel()} entries, expected q_len*kv_len = "
-            f"{q_len}*{kv_len}"
+            f"packed mask slice has {mask_slice.numel()} entries, expected q_len*kv_len = {q_len}*{kv_len}"
         )
     visible = mask_slice.reshape(q_len, kv_len) != 0
     boundaries = visible.sum(dim=1)
@@ -244,8 +241,9 @@ def _lse_merged_blocks(q, k, v, sorted_boundaries, blocks, scale: float, logit_c
         block_out, block_lse = _block_attention(q, k, v, sorted_boundaries, block, scale, logit_cap)
         old_lse = lse[:, rows_slice]
         new_lse = torch.logaddexp(old_lse, block_lse)
-        acc[:, rows_slice] = acc[:, rows_slice] * torch.exp(old_lse - new_lse)[..., None] + block_out.float() * (
-            torch.exp(block_lse - new_lse)[..., None]
+        acc[:, rows_slice] = (
+            acc[:, rows_slice] * torch.exp(old_lse - new_lse)[..., None]
+            + block_out.float() * (torch.exp(block_lse - new_lse)[..., None])
         )
         lse[:, rows_slice] = new_lse
     return acc.to(q.dtype)

@@ -115,7 +115,15 @@ def attention(
     if layer.is_cross_attention:
         for index in _staircase_requests(metadata):
             _staircase_attention(
-                query, output, k_cache, v_cache, req_to_token, req_pool_indices, metadata, index, layer,
+                query,
+                output,
+                k_cache,
+                v_cache,
+                req_to_token,
+                req_pool_indices,
+                metadata,
+                index,
+                layer,
                 full_to_swa_mapping,
             )
     return output
@@ -128,8 +136,14 @@ def per_request_attention(query, k_cache, v_cache, req_to_token, req_pool_indice
     for index in range(metadata.batch_size):
         rows = slice(start, start + metadata.extend_lens[index])
         output[rows] = attention(
-            query[rows], k_cache, v_cache, req_to_token, req_pool_indices[index : index + 1],
-            metadata.request(index), layer, **kwargs,
+            query[rows],
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_pool_indices[index : index + 1],
+            metadata.request(index),
+            layer,
+            **kwargs,
         )
         start = rows.stop
     return output
@@ -158,7 +172,8 @@ def _build_groups(metadata, req_to_token, req_pool_indices, is_cross: bool, max_
     if is_cross:
         staircase = set(_staircase_requests(metadata))
         members = [
-            i for i in range(metadata.batch_size)
+            i
+            for i in range(metadata.batch_size)
             if metadata.encoder_lens[i] and metadata.extend_lens[i] and i not in staircase
         ]
         key_lens = metadata.encoder_lens
@@ -238,8 +253,17 @@ def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], 
         visible = visible[:, None]
     real = (row_offsets < row_lens_t[:, None]).flatten()
     return PaddedGroup(
-        tuple(members), slots, key_lens_t, key_starts_t, query_index, row_lens_t, prefix_lens, boundaries,
-        visible, query_index.flatten()[real], real.nonzero().flatten(),
+        tuple(members),
+        slots,
+        key_lens_t,
+        key_starts_t,
+        query_index,
+        row_lens_t,
+        prefix_lens,
+        boundaries,
+        visible,
+        query_index.flatten()[real],
+        real.nonzero().flatten(),
     )
 
 
@@ -270,8 +294,13 @@ def _staircase_attention(
     key = k_cache[slots].to(query.dtype).movedim(0, 1)
     value = v_cache[slots].to(query.dtype).movedim(0, 1)
     out = frame_causal_cross_attention(
-        query[rows].movedim(0, 1), key, value, metadata.cross_boundaries[index], layer.scale,
-        logit_cap=layer.logit_cap, plan=metadata.plans[index],
+        query[rows].movedim(0, 1),
+        key,
+        value,
+        metadata.cross_boundaries[index],
+        layer.scale,
+        logit_cap=layer.logit_cap,
+        plan=metadata.plans[index],
     )
     output[rows] = out.movedim(0, 1)
 
@@ -293,8 +322,13 @@ def _paged_group_attention(query, output, k_cache, v_cache, req_to_token, req_po
     q = query[group.query_index].permute(0, 2, 1, 3)
     pages_shape = (-1, page_size, k_cache.shape[1] * k_cache.shape[2])
     out, _ = npu_paged_attention_with_lse(
-        q, k_cache.view(pages_shape), v_cache.view(-1, page_size, v_cache.shape[1] * v_cache.shape[2]),
-        layer.scale, block_table=block_table, block_size=page_size, kv_ends=ends.tolist(),
+        q,
+        k_cache.view(pages_shape),
+        v_cache.view(-1, page_size, v_cache.shape[1] * v_cache.shape[2]),
+        layer.scale,
+        block_table=block_table,
+        block_size=page_size,
+        kv_ends=ends.tolist(),
         hidden_prefix=group.key_starts,
     )
     output[group.query_index[:, 0]] = out[:, :, 0]

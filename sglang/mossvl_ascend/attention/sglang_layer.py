@@ -8,7 +8,6 @@ forward's metadata (built once, by the prepare_forward_batch hook or the first l
 from __future__ import annotations
 
 import torch
-
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
