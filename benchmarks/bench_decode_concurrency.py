@@ -16,11 +16,14 @@ import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from openai import OpenAI
-from tests.serving_support import ASSETS, data_url
 
+from moss_vl_reference.queries_moss_vl import file_data_url
 from serving.launch import SglangServer
+
+ASSETS = Path(__file__).resolve().parents[1] / "tests" / "assets"
 
 
 def messages() -> list[dict]:
@@ -28,7 +31,7 @@ def messages() -> list[dict]:
         {
             "role": "user",
             "content": [
-                {"type": "image_url", "image_url": {"url": data_url(ASSETS / "square_64.png")}},
+                {"type": "image_url", "image_url": {"url": file_data_url(ASSETS / "square_64.png")}},
                 {"type": "text", "text": "Describe this picture in detail."},
             ],
         }

@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import requests
 import torch
-from serving_support import ASSETS, data_url, load_reference
 
+from moss_vl_reference.queries_moss_vl import file_data_url
 from serving.launch import SglangServer
+from support.serving import ASSETS, load_reference
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -68,7 +69,7 @@ def served(checkpoint, reference):
             f"{server.base_url}/generate",
             json={
                 "text": reference["text"],
-                "image_data": [data_url(path) for path in IMAGES],
+                "image_data": [file_data_url(path) for path in IMAGES],
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0},
                 "return_logprob": True,
                 "logprob_start_len": 0,

@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 from openai import OpenAI
-from serving_support import ASSETS, CASES, GREEDY, MAX_TOKENS, load_reference, reference_ids, served_ids, to_openai
 
 from serving.launch import REPO_ROOT, SglangServer
+from support.serving import ASSETS, CASES, GREEDY, MAX_TOKENS, load_reference, reference_ids, served_ids, to_openai
 
 pytestmark = pytest.mark.timeout(1800)
 
