@@ -1,5 +1,6 @@
-"""MOSS-VL's text-row gate (cross-attention residual on/off per row) for chunks, mixed batches and resumed
-requests.
+"""MOSS-VL's text-row gate for chunks, mixed batches and resumed requests.
+
+The gate turns a text row's cross-attention residual on or off (on iff the row sees at least one frame).
 
 Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 """
