@@ -131,3 +131,21 @@ def test_gather_budget_splits_the_batch_and_keeps_the_result(monkeypatch):
     out = run(attention, batch, metadata, cross=False)
     assert len(metadata._cache[("groups", False)]) >= 3
     torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
+
+
+def test_gather_workspace_returns_the_rows_and_reuses_its_buffer():
+    """The reused gather buffer gives ``cache[slots]`` for any slot shape, size or dtype, and a gather no larger
+    than an earlier one writes into the same memory (no allocation per layer call)."""
+    workspace = core.GatherWorkspace()
+    cache = torch.randn(50, 2, 8)
+    large = torch.randint(0, 50, (4, 9))
+    small = torch.randint(0, 50, (3, 5))
+    first = workspace.gather("k", cache, large)
+    torch.testing.assert_close(first, cache[large], atol=0, rtol=0)
+    pointer = first.data_ptr()
+    second = workspace.gather("k", cache, small)
+    torch.testing.assert_close(second, cache[small], atol=0, rtol=0)
+    assert second.data_ptr() == pointer
+    other_role = workspace.gather("v", cache, small)
+    assert other_role.data_ptr() != pointer  # K and V are live together: one buffer each
+    torch.testing.assert_close(workspace.gather("k", cache.half(), large), cache.half()[large], atol=0, rtol=0)

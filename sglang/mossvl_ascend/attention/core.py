@@ -10,6 +10,7 @@ All requests of a batch go through a few calls of the device primitive per layer
   with many text rows, several images) is computed by its block plan (:mod:`mossvl_ascend.attention.blocks`),
   whose cost is arithmetic, not per-call overhead.
 
+K/V rows are gathered into reused buffers (:class:`GatherWorkspace`), not into a fresh tensor per call.
 Padding is bounded: requests are sorted by key length and split into a few buckets so that the padded
 ``rows x keys`` area of a call stays within ``PADDING_LIMIT`` times the useful area (plus a floor that keeps
 small batches in one call), and, on devices listed in ``GATHER_BUDGET_BYTES`` (the CPU), so that a call's
@@ -28,6 +29,7 @@ Tensors: query/output ``[num_tokens, num_heads, head_dim]`` packed in batch orde
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -49,6 +51,37 @@ GATHER_BUDGET_BYTES = {"cpu": 32 << 20}
 
 # Calls below this padded area never split: one call is cheaper than saving a little padding.
 _PADDING_FLOOR = 1 << 16
+
+
+class GatherWorkspace:
+    """Reused buffers that K/V rows are gathered into, one per role ("k", "v"), grown to the largest gather.
+
+    A fresh tensor per gather costs more than the copy on a CPU: allocations above glibc's mmap threshold
+    (32 MiB at most) are page-faulted in on every call; reusing the buffer touches its pages once. The
+    gathered rows are dead once the layer's attention call returns, and layers run one after another, so
+    one buffer per role serves every call of a process.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def gather(self, role: str, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``cache[slots]`` (shape ``[*slots.shape, *cache.shape[1:]]``) in the role's buffer."""
+        row_shape = cache.shape[1:]
+        elements = slots.numel() * math.prod(row_shape)
+        buffer = self._buffers.get(role)
+        if buffer is None or buffer.dtype != cache.dtype or buffer.device != cache.device or buffer.numel() < elements:
+            buffer = self._buffers[role] = torch.empty(elements, dtype=cache.dtype, device=cache.device)
+        rows = buffer[:elements].view(slots.numel(), *row_shape)
+        torch.index_select(cache, 0, slots.flatten(), out=rows)
+        return rows.view(*slots.shape, *row_shape)
+
+    def release(self) -> None:
+        """Drop the buffers (the benchmark counts their allocation inside the call it measures)."""
+        self._buffers.clear()
+
+
+GATHER_WORKSPACE = GatherWorkspace()
 
 
 @dataclass(frozen=True)
@@ -272,8 +305,8 @@ def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer:
     batch, max_rows = group.query_index.shape
     slots = group.slots if slot_map is None else slot_map[group.slots]
     q = query[group.query_index].permute(0, 2, 1, 3)  # [B, Hq, rows, D]
-    k = k_cache[slots].to(query.dtype).permute(0, 2, 1, 3)  # [B, Hk, keys, D]
-    v = v_cache[slots].to(query.dtype).permute(0, 2, 1, 3)
+    k = GATHER_WORKSPACE.gather("k", k_cache, slots).to(query.dtype).permute(0, 2, 1, 3)  # [B, Hk, keys, D]
+    v = GATHER_WORKSPACE.gather("v", v_cache, slots).to(query.dtype).permute(0, 2, 1, 3)
     visible = group.visible
     if not (layer.is_cross_attention or layer.causal):  # encoder-only self-attention: lengths only
         visible = (torch.arange(slots.shape[1], device=query.device) < group.key_lens[:, None])[:, None, None]
@@ -291,8 +324,8 @@ def _staircase_attention(
     slots = req_to_token[req_pool_indices[index], : metadata.encoder_lens[index]].long()
     if slot_map is not None:
         slots = slot_map[slots]
-    key = k_cache[slots].to(query.dtype).movedim(0, 1)
-    value = v_cache[slots].to(query.dtype).movedim(0, 1)
+    key = GATHER_WORKSPACE.gather("k", k_cache, slots).to(query.dtype).movedim(0, 1)
+    value = GATHER_WORKSPACE.gather("v", v_cache, slots).to(query.dtype).movedim(0, 1)
     out = frame_causal_cross_attention(
         query[rows].movedim(0, 1),
         key,
