@@ -310,7 +310,15 @@ def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer:
     visible = group.visible
     if not (layer.is_cross_attention or layer.causal):  # encoder-only self-attention: lengths only
         visible = (torch.arange(slots.shape[1], device=query.device) < group.key_lens[:, None])[:, None, None]
-    out, _ = attention_with_lse(q, k, v, layer.scale, visible=visible, logit_cap=layer.logit_cap)
+    out, _ = attention_with_lse(
+        q,
+        k,
+        v,
+        layer.scale,
+        visible=visible,
+        logit_cap=layer.logit_cap,
+        every_row_sees_a_key=layer.causal and not layer.is_cross_attention,
+    )
     out = out.permute(0, 2, 1, 3).reshape(batch * max_rows, out.shape[1], -1)
     output[group.output_rows] = out[group.padded_rows]
 
