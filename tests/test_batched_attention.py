@@ -133,6 +133,26 @@ def test_gather_budget_splits_the_batch_and_keeps_the_result(monkeypatch):
     torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
+def test_opt_in_paged_one_row_extends_respect_each_rows_visibility(cross, monkeypatch):
+    """One-row extends in a mixed batch (a row seeing the first frame only, one seeing none, one seeing all, one
+    without an encoder) go through the paged call with KV lengths read on the host: equal to the dense reference."""
+    requests = [
+        Request(spans=[4, 3], prefix_len=2, extend_len=1, visible_frame_counts=[1, 1, 1]),
+        Request(spans=[5], prefix_len=1, extend_len=1, visible_frame_counts=[0, 0]),
+        Request(spans=[2, 2, 2], prefix_len=4, extend_len=1, visible_frame_counts=[3] * 5),
+        Request(spans=[], prefix_len=3, extend_len=1),
+    ]
+    batch = build_batch(requests)
+    metadata = extend_metadata(batch)
+    with installed_fake_torch_npu():
+        monkeypatch.setenv("MOSSVL_NPU_PAGED_ATTENTION", "1")
+        monkeypatch.setattr(core, "PAGED_ATTENTION_DEVICES", ("cpu",))
+        paged = run(attention, batch, metadata, cross)
+    reference = (reference_cross_extend if cross else reference_self_extend)(batch, SCALE)
+    torch.testing.assert_close(paged, reference, atol=1e-5, rtol=1e-5)
+
+
 def test_gather_workspace_returns_the_rows_and_reuses_its_buffer():
     """The reused gather buffer gives ``cache[slots]`` for any slot shape, size or dtype, and a gather no larger
     than an earlier one writes into the same memory (no allocation per layer call)."""

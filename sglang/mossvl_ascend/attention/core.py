@@ -104,7 +104,9 @@ class PaddedGroup:
     ``boundaries`` ``[B, max_rows]`` (cross-attention). ``visible`` ``[B, 1, rows, keys]`` (True = attend: below
     the boundary for cross-attention, causal with the cached prefix and within the length for self-attention) is
     None when every row sees every key (decode over equal lengths, decided on the host); ``output_rows`` /
-    ``padded_rows`` map the real rows between the packed and the padded layout.
+    ``padded_rows`` map the real rows between the packed and the padded layout. ``row_key_ends`` (one-row
+    groups only, else None): on the host, where each request's row stops seeing keys in its slots (the paged
+    decode's KV lengths, known without a device sync).
     """
 
     requests: tuple[int, ...]
@@ -118,6 +120,7 @@ class PaddedGroup:
     visible: torch.Tensor | None
     output_rows: torch.Tensor
     padded_rows: torch.Tensor
+    row_key_ends: tuple[int, ...] | None = None
 
 
 def attention(
@@ -285,6 +288,12 @@ def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], 
             visible = (keys < key_lens_t[:, None, None]) & (keys <= causal_limit)
         visible = visible[:, None]
     real = (row_offsets < row_lens_t[:, None]).flatten()
+    row_key_ends = None
+    if max_rows == 1:
+        row_key_ends = tuple(
+            (_first_boundary(metadata, i) if is_cross else start + length)
+            for i, start, length in zip(members, key_starts, key_lens)
+        )
     return PaddedGroup(
         tuple(members),
         slots,
@@ -297,7 +306,14 @@ def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], 
         visible,
         query_index.flatten()[real],
         real.nonzero().flatten(),
+        row_key_ends,
     )
+
+
+def _first_boundary(metadata, index: int) -> int:
+    """The encoder boundary of request ``index``'s first new row (its whole encoder when it sees every frame)."""
+    bounds = metadata.cross_boundaries[index]
+    return metadata.encoder_lens[index] if bounds is None else int(bounds[0])
 
 
 def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer: AttentionLayer, slot_map) -> None:
@@ -354,8 +370,8 @@ def _paged_group_attention(query, output, k_cache, v_cache, req_to_token, req_po
     """One-row group straight from the paged pool: block table over each request's slots up to the end of its
     keys, the encoder in front of self-attention's text masked out, no K/V gather."""
     device = query.device
-    ends = group.boundaries[:, 0] if layer.is_cross_attention else group.key_starts + group.key_lens
-    max_end = int(ends.max())
+    ends = list(group.row_key_ends)
+    max_end = max(ends)
     blocks = -(-max_end // page_size)
     columns = (torch.arange(blocks, device=device) * page_size).clamp_(max=req_to_token.shape[1] - 1)
     pool_rows = req_pool_indices[list(group.requests)].to(device).long()
@@ -369,7 +385,7 @@ def _paged_group_attention(query, output, k_cache, v_cache, req_to_token, req_po
         layer.scale,
         block_table=block_table,
         block_size=page_size,
-        kv_ends=ends.tolist(),
+        kv_ends=ends,
         hidden_prefix=group.key_starts,
     )
     output[group.query_index[:, 0]] = out[:, :, 0]
