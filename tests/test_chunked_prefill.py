@@ -3,7 +3,9 @@
 Real sglang objects: ``PrefillAdder`` (the scheduler's admission logic), ``Req`` with ``MultimodalInputs``
 (``num_image_tokens`` = encoder tokens at the start of the prompt, as MOSS-VL sets it), a real token allocator
 (page size 1, and the paged allocator at the NPU page size 128) and a disabled ``RadixCache`` for the budget
-bookkeeping; the scheduler's runtime configuration is published from a real ``prepare_server_args``.
+bookkeeping; the scheduler's runtime configuration is published from a real ``prepare_server_args``. Both stock
+admission paths are covered: ``_select_prefill_admission`` and, for ``ignore_eos`` requests without a prefix cache
+(the NPU default), ``add_one_req_ignore_eos``.
 
 The oracle is the invariant ``ScheduleBatch.prepare_encoder_info_extend`` relies on, written out
 independently: an admitted first chunk ends after the encoder plus at least one text row, on a page boundary or
@@ -52,12 +54,12 @@ def scheduler_context(tmp_path_factory):
         yield
 
 
-def make_req(rid, prompt_len, encoder_len):
+def make_req(rid, prompt_len, encoder_len, ignore_eos=False):
     from sglang.srt.managers.schedule_batch import MultimodalInputs, Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     token_ids = array("q", [7] * encoder_len + list(range(prompt_len - encoder_len)))
-    req = Req(rid, "", token_ids, SamplingParams(max_new_tokens=4))
+    req = Req(rid, "", token_ids, SamplingParams(max_new_tokens=4, ignore_eos=ignore_eos))
     if encoder_len:
         req.multimodal_inputs = MultimodalInputs(mm_items=[], num_image_tokens=encoder_len)
     return req
@@ -130,6 +132,41 @@ def test_budget_too_small_for_the_encoder_waits_when_the_batch_already_has_a_req
             assert admitted and end == left > ENCODER_LEN, (budget, end)
 
 
+@pytest.mark.parametrize(
+    "page_size,encoder_len,prompt_len", [(1, ENCODER_LEN, PROMPT_LEN), (128, PAGED_ENCODER_LEN, PAGED_PROMPT_LEN)]
+)
+def test_ignore_eos_path_first_chunk_holds_the_encoder_and_a_text_row_for_every_budget(
+    page_size, encoder_len, prompt_len
+):
+    # Without a prefix cache, stock admits ignore_eos requests through its own path: it cuts at the budget itself.
+    smallest = smallest_first_chunk(encoder_len, page_size, prompt_len)
+    for budget in range(1, encoder_len + 3):
+        adder, cache = make_adder(page_size, budget)
+        req = make_req(f"r{budget}", prompt_len, encoder_len, ignore_eos=True)
+        _, admitted, end = admit(adder, cache, req)
+        assert admitted, budget
+        assert end == (budget if budget > encoder_len else smallest), (budget, end)
+        assert adder.new_chunked_req is req
+        # The budget is charged what was admitted (page-rounded), so nothing else fits in this batch.
+        assert adder.rem_chunk_tokens == budget - -(-end // page_size) * page_size, budget
+
+
+def test_ignore_eos_path_budget_too_small_for_the_encoder_waits_when_the_batch_already_has_a_request():
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    text_len = 10
+    for budget in range(text_len + 1, text_len + ENCODER_LEN + 3):
+        adder, cache = make_adder(1, budget)
+        admit(adder, cache, make_req(f"text{budget}", text_len, 0, ignore_eos=True))
+        req = make_req(f"vision{budget}", PROMPT_LEN, ENCODER_LEN, ignore_eos=True)
+        result, admitted, end = admit(adder, cache, req)
+        left = budget - text_len
+        if left <= ENCODER_LEN:
+            assert (result, admitted) == (AddReqResult.OTHER, False), budget
+        else:
+            assert admitted and end == left > ENCODER_LEN, (budget, end)
+
+
 def test_later_chunks_start_after_the_encoder_and_cut_anywhere():
     adder, cache = make_adder(1, 3)
     req = make_req("r", PROMPT_LEN, ENCODER_LEN)
@@ -144,14 +181,15 @@ def test_later_chunks_start_after_the_encoder_and_cut_anywhere():
     assert all(b - a == min(3, PROMPT_LEN - a) for a, b in zip(ends, ends[1:]))
 
 
-def test_stock_selection_cuts_inside_the_encoder(monkeypatch):
+@pytest.mark.parametrize(
+    "stock_method,ignore_eos", [("_select_prefill_admission", False), ("add_one_req_ignore_eos", True)]
+)
+def test_stock_selection_cuts_inside_the_encoder(monkeypatch, stock_method, ignore_eos):
     from sglang.srt.managers.schedule_policy import PrefillAdder
 
-    monkeypatch.setattr(
-        PrefillAdder, "_select_prefill_admission", inspect.unwrap(PrefillAdder._select_prefill_admission)
-    )
+    monkeypatch.setattr(PrefillAdder, stock_method, inspect.unwrap(getattr(PrefillAdder, stock_method)))
     adder, cache = make_adder(1, 10)
-    _, admitted, end = admit(adder, cache, make_req("control", PROMPT_LEN, ENCODER_LEN))
+    _, admitted, end = admit(adder, cache, make_req("control", PROMPT_LEN, ENCODER_LEN, ignore_eos=ignore_eos))
     assert admitted and 0 < end < ENCODER_LEN
 
 

@@ -198,8 +198,8 @@ def test_npu_source_pr_command_on_eight_cards(model_dir, npu_memory_stand_in, ra
     assert view.page_size == 128
 
 
-# ---- chunked prefill: kept on npu and cpu with the radix cache on (stock resolves -1); CUDA stays stock. The
-# oracle for the defaults is stock resolution itself: the chunk size sglang picks for a plain Llama on that device.
+# ---- chunked prefill: kept on npu and cpu, with the radix cache on or off (stock resolves -1); CUDA stays stock.
+# The oracle for the defaults is stock resolution itself: the chunk size sglang picks for a plain Llama on that device.
 
 
 @pytest.fixture
@@ -215,34 +215,38 @@ def text_model_dir(tmp_path):
     return path
 
 
-@pytest.fixture
-def npu_radix_opt_in(monkeypatch):
-    monkeypatch.setenv("MOSSVL_NPU_ENABLE_RADIX_CACHE", "1")
+# (device flags, radix opt-in env on NPU, the radix cache state they resolve to)
+RADIX_CONFIGS = {
+    "npu": (["--device", "npu"], False, True),  # the NPU default: radix cache off
+    "npu-radix": (["--device", "npu"], True, False),
+    "cpu": (["--device", "cpu"], False, False),
+    "cpu-no-radix": (["--device", "cpu", "--disable-radix-cache"], False, True),
+}
 
 
-@pytest.mark.parametrize("device", ["npu", "cpu"])
-def test_default_chunk_size_is_the_stock_device_default(
-    model_dir, text_model_dir, npu_memory_stand_in, npu_radix_opt_in, device
-):
-    moss_vl = resolve(model_dir, "--device", device).chunked_prefill_size
-    text_model = resolve(text_model_dir, "--device", device).chunked_prefill_size
-    assert moss_vl == text_model > 0
+@pytest.fixture(params=list(RADIX_CONFIGS))
+def radix_config(request, monkeypatch):
+    argv, opt_in, radix_disabled = RADIX_CONFIGS[request.param]
+    if opt_in:
+        monkeypatch.setenv("MOSSVL_NPU_ENABLE_RADIX_CACHE", "1")
+    return argv, radix_disabled
 
 
-@pytest.mark.parametrize("device", ["npu", "cpu"])
-def test_explicit_chunk_size_and_mixed_chunks_are_kept(model_dir, npu_memory_stand_in, npu_radix_opt_in, device):
-    view = resolve(model_dir, "--device", device, "--chunked-prefill-size", "256", "--enable-mixed-chunk")
+def test_default_chunk_size_is_the_stock_device_default(model_dir, text_model_dir, npu_memory_stand_in, radix_config):
+    argv, radix_disabled = radix_config
+    moss_vl = resolve(model_dir, *argv)
+    text_model = resolve(text_model_dir, *argv[:2]).chunked_prefill_size
+    assert moss_vl.disable_radix_cache is radix_disabled
+    assert moss_vl.chunked_prefill_size == text_model > 0
+
+
+def test_explicit_chunk_size_and_mixed_chunks_are_kept(model_dir, npu_memory_stand_in, radix_config, plugin_log):
+    argv, radix_disabled = radix_config
+    view = resolve(model_dir, *argv, "--chunked-prefill-size", "256", "--enable-mixed-chunk")
+    assert view.disable_radix_cache is radix_disabled
     assert (view.chunked_prefill_size, view.enable_mixed_chunk) == (256, True)
+    assert not [r for r in plugin_log if "chunk" in r.getMessage().lower()]
 
 
 def test_cuda_still_turns_chunked_prefill_off(model_dir):
     assert resolve(model_dir, "--device", "cuda", "--chunked-prefill-size", "256").chunked_prefill_size == -1
-
-
-@pytest.mark.parametrize(
-    "argv", [["--device", "npu"], ["--device", "cpu", "--disable-radix-cache"]], ids=["npu", "cpu"]
-)
-def test_chunked_prefill_stays_off_without_the_radix_cache(model_dir, npu_memory_stand_in, argv):
-    # NPU disables the radix cache by default; a continuing chunk of a vision request fails there.
-    view = resolve(model_dir, *argv, "--chunked-prefill-size", "256")
-    assert (view.disable_radix_cache, view.chunked_prefill_size) == (True, -1)

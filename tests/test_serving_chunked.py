@@ -1,17 +1,20 @@
 """MOSS-VL served with chunked prefill and mixed chunks: token-exact against the reference model (fp32).
 
 Stock ``python -m sglang.launch_server`` + the plugin on CPU, tiny checkpoint (encoders of 5-17 tokens, prompts of
-23-86 text rows; the long prompts below have ~300). Three servers, one at a time (an idle sglang scheduler keeps a
+23-86 text rows; the long prompts below have ~300). Servers run one at a time (an idle sglang scheduler keeps a
 core busy):
 
 * ``--chunked-prefill-size -1`` (unchunked): the baseline for prompt logprobs and short-request TTFT;
-* ``--chunked-prefill-size 1``: the first chunk of a vision request is its encoder plus one text row (the cut
-  right after the encoder: a chunk never ends inside or right at the end of an encoder), then one-row chunks;
+* ``--chunked-prefill-size 1``, with the radix cache on and with ``--disable-radix-cache`` (the NPU default): the
+  first chunk of a vision request is its encoder plus one text row (the cut right after the encoder: a chunk never
+  ends inside or right at the end of an encoder), then one-row chunks. On both, a long request is aborted between
+  two of its chunks: the KV pool must return to idle (encoder slots included) and the next request stay exact;
 * ``--chunked-prefill-size 16 --enable-mixed-chunk``: cuts through the middle of each question, and the decode
   rows of running requests ride in the same forward as a prefill chunk.
 
-Oracle: greedy ids of the reference transformers model in fp32 (computed before any server starts). The server
-log must show the chunks (prefill batch sizes), so silently disabled chunking fails.
+Oracle: greedy ids of the reference transformers model in fp32 (computed before any server starts), and the
+unchunked server for prompt logprobs. The server log must show the chunks (prefill batch sizes), so silently
+disabled chunking fails.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from openai import OpenAI
+from openai import APIConnectionError, OpenAI
 
 from serving.launch import REPO_ROOT, SglangServer
 from support.serving import ASSETS, CASES, GREEDY, MAX_TOKENS, load_reference, reference_ids, served_ids, to_openai
@@ -32,14 +35,14 @@ from support.serving import ASSETS, CASES, GREEDY, MAX_TOKENS, load_reference, r
 pytestmark = pytest.mark.timeout(1800)
 
 PARITY_ORDER = ["image_data_url", "two_images", "three_turns", "video", "text_only", "same_images_shifted"]
-# Prompt logprobs go through the native /generate endpoint with the rendered prompt ids, which accepts images but
-# not a video without its <|video|> placeholder text; the video case is covered by the token parity.
-LOGPROB_CASES = [name for name in PARITY_ORDER if name != "video"]
 BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup"]
 # An explicit -1 makes stock CPU memory resolution compute a negative --mem-fraction-static (it sizes activation
 # memory from the chunk size); the value stock resolves with its default chunk size is given instead.
 UNCHUNKED = ["--chunked-prefill-size", "-1", "--mem-fraction-static", "0.71"]
-ONE_ROW = ["--chunked-prefill-size", "1"]
+ONE_ROW_CONFIGS = {
+    "radix": ["--chunked-prefill-size", "1"],
+    "no_radix": ["--chunked-prefill-size", "1", "--disable-radix-cache"],
+}
 MID_QUESTION_MIXED = ["--chunked-prefill-size", "16", "--enable-mixed-chunk"]
 PREFILL_LINE = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+),.*?#running-req: (\d+)")
 FIGURES = REPO_ROOT / "build" / "serving_chunked_figures.json"
@@ -87,12 +90,12 @@ def prefill_batches(server) -> list[tuple[int, int, int]]:
     return [tuple(map(int, m.groups())) for m in PREFILL_LINE.finditer(server.log_path.read_text(errors="replace"))]
 
 
-def prompt_logprobs(server, client, model_name, messages) -> list[float]:
-    """Logprobs of every prompt token (native ``/generate`` on the prompt the chat endpoint rendered)."""
-    prompt_ids = served_ids(client, model_name, messages, max_tokens=1)["prompt_ids"]
+def prompt_logprobs(server, processor, messages) -> dict:
+    """Ids and logprobs of the prompt's text tokens: native ``/generate`` on the chat template's text with its
+    media placeholders and the media as data URLs (the path sglang accepts for a video as well as for images)."""
     media = [part for m in to_openai(messages) if isinstance(m["content"], list) for part in m["content"]]
     body = {
-        "input_ids": prompt_ids,
+        "text": processor.apply_chat_template(messages, add_generation_prompt=True),
         "image_data": [p["image_url"]["url"] for p in media if p["type"] == "image_url"] or None,
         "video_data": [p["video_url"]["url"] for p in media if p["type"] == "video_url"] or None,
         "sampling_params": {"max_new_tokens": 1, "temperature": 0},
@@ -101,7 +104,66 @@ def prompt_logprobs(server, client, model_name, messages) -> list[float]:
     }
     response = requests.post(f"{server.base_url}/generate", json=body, timeout=600)
     response.raise_for_status()
-    return [entry[0] for entry in response.json()["meta_info"]["input_token_logprobs"] if entry[0] is not None]
+    entries = response.json()["meta_info"]["input_token_logprobs"]
+    return {"ids": [entry[1] for entry in entries], "logprobs": [entry[0] for entry in entries if entry[0] is not None]}
+
+
+def all_prompt_logprobs(server, processor) -> dict:
+    return {name: prompt_logprobs(server, processor, CASES[name]) for name in PARITY_ORDER}
+
+
+def kv_load(server) -> dict:
+    """The scheduler's load report (``/v1/loads``): ``num_used_tokens`` = KV slots neither free nor evictable."""
+    response = requests.get(f"{server.base_url}/v1/loads", timeout=30)
+    response.raise_for_status()
+    return response.json()["loads"][0]
+
+
+def wait_for_load(server, done, timeout_s: float = 60.0) -> dict:
+    """Poll ``/v1/loads`` until ``done(load)`` or the timeout; returns the last report either way."""
+    deadline = time.monotonic() + timeout_s
+    load = kv_load(server)
+    while not done(load) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        load = kv_load(server)
+    return load
+
+
+ABORTED = "long1"  # an image and ~300 text rows: ~300 one-row chunks
+ABORT_AFTER_USED_TOKENS = 40  # the encoder (13) + its first row, then >= 26 one-row chunks
+
+
+def abort_between_chunks(server, client, model_name) -> dict:
+    """Abort a one-row-chunked request mid-prefill (``/abort_request`` with its rid), wait for the scheduler to go
+    idle, then run a parity case on the same server.
+
+    sglang's idle self-check (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE``, on by default, on CPU too) stops the
+    scheduler on a leaked KV slot; the server's exit is then recorded with its log tail, so only the abort test
+    fails and says why.
+    """
+    rid = f"abort-{server.port}"
+    measured = {"idle_before": kv_load(server)}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(
+            client.chat.completions.create,
+            model=model_name,
+            messages=to_openai(LOAD[ABORTED]),
+            **GREEDY,
+            extra_body={"rid": rid},
+        )
+        measured["at_abort"] = wait_for_load(server, lambda load: load["num_used_tokens"] >= ABORT_AFTER_USED_TOKENS)
+        requests.post(f"{server.base_url}/abort_request", json={"rid": rid}, timeout=30).raise_for_status()
+        try:
+            aborted = pending.result().choices[0]
+            measured["finish_reason"], measured["text"] = aborted.finish_reason, aborted.message.content
+            measured["idle_after"] = wait_for_load(
+                server,
+                lambda load: load["num_used_tokens"] == 0 and load["num_running_reqs"] == load["num_waiting_reqs"] == 0,
+            )
+            measured["following"] = served_ids(client, model_name, CASES["two_images"])
+        except (requests.RequestException, APIConnectionError):
+            measured["server_stopped"] = server.log_tail(3000)
+    return measured
 
 
 def streamed_ttft(client, model_name, messages) -> tuple[float, str]:
@@ -136,11 +198,11 @@ def short_ttft_median(results: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def unchunked(checkpoint, reference):
+def unchunked(checkpoint, processor, reference):
     """Baseline figures of the unchunked server: prompt logprobs per case, short-request TTFT under load."""
     with SglangServer(checkpoint, extra_args=BASE_ARGS + UNCHUNKED, name="chunked-baseline") as server:
         client, model_name = openai_client(server)
-        logprobs = {name: prompt_logprobs(server, client, model_name, CASES[name]) for name in LOGPROB_CASES}
+        logprobs = all_prompt_logprobs(server, processor)
         load = run_load(client, model_name, streamed_ttft)
         batches = prefill_batches(server)
     return {"logprobs": logprobs, "load": load, "batches": batches}
@@ -151,14 +213,18 @@ def served_cases(client, model_name) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_row(checkpoint, reference, unchunked):
-    """Everything measured on the one-row-chunk server (it is stopped before the next server starts)."""
-    with SglangServer(checkpoint, extra_args=BASE_ARGS + ONE_ROW, name="chunked-one-row") as server:
-        client, model_name = openai_client(server)
-        served = served_cases(client, model_name)
-        batches = prefill_batches(server)
-        logprobs = {name: prompt_logprobs(server, client, model_name, CASES[name]) for name in LOGPROB_CASES}
-    return {"served": served, "batches": batches, "logprobs": logprobs}
+def one_row(checkpoint, processor, reference, unchunked):
+    """Everything measured on each one-row-chunk server (each is stopped before the next server starts)."""
+    results = {}
+    for config, flags in ONE_ROW_CONFIGS.items():
+        with SglangServer(checkpoint, extra_args=BASE_ARGS + flags, name=f"chunked-one-row-{config}") as server:
+            client, model_name = openai_client(server)
+            served = served_cases(client, model_name)
+            batches = prefill_batches(server)
+            logprobs = all_prompt_logprobs(server, processor)
+            abort = abort_between_chunks(server, client, model_name)
+        results[config] = {"served": served, "batches": batches, "logprobs": logprobs, "abort": abort}
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +244,9 @@ def mixed(checkpoint, reference, unchunked, one_row):
 RETRACT_CONFIGS = {
     # Chunked, radix cache on: a resumed request finds its encoder (and prompt) in the cache.
     "chunk16_radix": ["--chunked-prefill-size", "16"],
-    # Radix cache off (the NPU default; chunked prefill then stays off): a resumed request re-runs its encoder.
-    "no_radix": ["--disable-radix-cache"],
+    # Chunked, radix cache off (the NPU default): a resumed request re-runs its encoder, in chunks again; the
+    # requests arrive together, so a vision request may find the chunk budget taken and wait for the next round.
+    "chunk16_no_radix": ["--chunked-prefill-size", "16", "--disable-radix-cache"],
 }
 
 
@@ -201,8 +268,9 @@ def retracting(checkpoint, reference, unchunked, one_row, mixed):
                     futures = {case: pool.submit(served_ids, client, model_name, CASES[case]) for case in PARITY_ORDER}
                     served = {case: future.result() for case, future in futures.items()}
                 log = server.log_path.read_text(errors="replace")
+                batches = prefill_batches(server)
             retracted = [int(n) for n in re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", log)]
-            results[name] = {"served": served, "retracted": retracted}
+            results[name] = {"served": served, "retracted": retracted, "batches": batches}
     return results
 
 
@@ -218,9 +286,10 @@ def test_unchunked_baseline_prefills_each_prompt_whole(unchunked, reference):
     assert max(tokens for _, tokens, _ in unchunked["batches"]) >= len(reference["three_turns"][0]) + 17
 
 
-def test_one_row_chunks_equal_the_reference_and_the_log_shows_them(one_row, reference):
-    assert_parity(one_row["served"], reference)
-    tokens = [t for _, t, _ in one_row["batches"]]
+@pytest.mark.parametrize("config", list(ONE_ROW_CONFIGS))
+def test_one_row_chunks_equal_the_reference_and_the_log_shows_them(one_row, reference, config):
+    assert_parity(one_row[config]["served"], reference)
+    tokens = [t for _, t, _ in one_row[config]["batches"]]
     # Each vision request: one first chunk = encoder + 1 row (16 for the video, 18 for three turns), then
     # one-row chunks; text-only requests are all one-row chunks.
     assert 16 in tokens and 18 in tokens
@@ -229,11 +298,30 @@ def test_one_row_chunks_equal_the_reference_and_the_log_shows_them(one_row, refe
     assert max(tokens) <= 18
 
 
-def test_one_row_chunks_give_the_unchunked_prompt_logprobs(one_row, unchunked):
-    for name in LOGPROB_CASES:
-        chunked, baseline = one_row["logprobs"][name], unchunked["logprobs"][name]
-        assert len(chunked) == len(baseline) > 10, name
-        assert max(abs(a - b) for a, b in zip(chunked, baseline)) <= 1e-5, name
+@pytest.mark.parametrize("config", list(ONE_ROW_CONFIGS))
+def test_one_row_chunks_give_the_unchunked_prompt_logprobs(one_row, unchunked, reference, config):
+    for name in PARITY_ORDER:
+        chunked, baseline = one_row[config]["logprobs"][name], unchunked["logprobs"][name]
+        # Both scored exactly the reference prompt's text tokens.
+        assert chunked["ids"] == baseline["ids"] == reference[name][0], name
+        assert len(chunked["logprobs"]) == len(baseline["logprobs"]) > 10, name
+        assert max(abs(a - b) for a, b in zip(chunked["logprobs"], baseline["logprobs"])) <= 1e-5, name
+
+
+@pytest.mark.parametrize("config", list(ONE_ROW_CONFIGS))
+def test_a_request_aborted_between_chunks_frees_its_kv_and_the_next_one_is_exact(one_row, reference, config):
+    abort = one_row[config]["abort"]
+    assert abort["idle_before"]["num_used_tokens"] == 0
+    # Aborted mid-prefill: past the encoder and its first chunk, far from the end of the prompt, nothing decoded.
+    assert ABORT_AFTER_USED_TOKENS <= abort["at_abort"]["num_used_tokens"] < len(reference[ABORTED][0]) / 2
+    assert abort["at_abort"]["num_running_reqs"] == 0
+    assert "server_stopped" not in abort, abort.get("server_stopped")
+    assert (abort["finish_reason"], abort["text"]) == ("abort", "")
+    # Every KV slot it held (encoder included) is free again; the scheduler's strict idle leak check would also
+    # have stopped the server.
+    assert abort["idle_after"]["num_used_tokens"] == 0, abort["idle_after"]
+    assert abort["following"]["prompt_ids"] == reference["two_images"][0]
+    assert abort["following"]["completion_ids"] == reference["two_images"][1]
 
 
 def test_mid_question_chunks_with_mixed_batches_equal_the_reference(mixed, reference):
@@ -269,4 +357,5 @@ def test_long_and_short_requests_at_once_equal_the_reference_and_short_ttft_is_r
 @pytest.mark.parametrize("config", list(RETRACT_CONFIGS))
 def test_retracted_requests_resume_with_the_reference_tokens(retracting, reference, config):
     assert sum(retracting[config]["retracted"]) >= 3, retracting[config]["retracted"]  # real retractions happened
+    assert 16 in [tokens for _, tokens, _ in retracting[config]["batches"]]  # and chunks
     assert_parity(retracting[config]["served"], reference)

@@ -52,6 +52,43 @@ def keep_encoder_whole(original, adder, req, **kwargs):
     )
 
 
+def keep_encoder_whole_on_the_ignore_eos_path(original, adder, req):
+    """AROUND hook: the same rule for the admission stock uses for ``ignore_eos`` requests without a prefix cache.
+
+    That path cuts a first chunk at the remaining chunk budget, so for a request whose encoder the cut would
+    not clear, the budget is widened to the smallest encoder-safe chunk for this one admission (its chunk and
+    memory checks and its budget charge then see the tokens really admitted), or the request waits when other
+    requests already share the batch.
+    """
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    encoder_len = encoder_len_of(req)
+    budget = adder.rem_chunk_tokens
+    if budget is None or budget <= 0 or req.prefix_len >= encoder_len:
+        return original(adder, req)
+    prompt_len = len(req.full_untruncated_fill_ids)
+    stock_end = req.prefix_len + adder.floor_chunked_tokens(budget, prompt_len - req.prefix_len)
+    if stock_end > encoder_len:
+        return original(adder, req)
+    if adder.can_run_list:
+        return AddReqResult.OTHER
+    widened = first_chunk_end(encoder_len, adder.page_size, prompt_len) - req.prefix_len
+    logger.info(
+        "Request %s: chunk budget %d is smaller than its encoder span (%d tokens) plus one text row; "
+        "admitting %d tokens in one chunk (an encoder is never split).",
+        req.rid,
+        budget,
+        encoder_len,
+        widened,
+    )
+    adder.rem_chunk_tokens = widened
+    try:
+        return original(adder, req)
+    finally:
+        # What the admission charged stays charged against the real budget.
+        adder.rem_chunk_tokens += budget - widened
+
+
 def fix_decode_rows_of_mixed_batch(result, batch, running_batch) -> None:
     """AFTER hook: the decode rows appended by ``mix_with_running`` have their encoders cached, and their
     ``extend_end`` counts the encoder."""
@@ -91,6 +128,33 @@ PATCHES = (
         ),
         upstream="open in 0.5.23",
         remove_when="sglang's PrefillAdder keeps encoder spans whole and lists MOSS-VL as chunked-prefill capable",
+    ),
+    Patch(
+        title="Chunked prefill never cuts inside an encoder span on the ignore-EOS admission path",
+        target="sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req_ignore_eos",
+        kind=HookType.AROUND,
+        hook=keep_encoder_whole_on_the_ignore_eos_path,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "with the prefix cache disabled (the NPU default, `--disable-radix-cache`), `PrefillAdder.add_one_req` "
+            "admits every `ignore_eos` request through `add_one_req_ignore_eos`, which never calls "
+            "`_select_prefill_admission` (hooked above): it cuts a first chunk at the remaining chunk budget. For a "
+            "MOSS-VL request whose encoder is longer than that budget the chunk ends inside the encoder span, and "
+            "`ScheduleBatch.prepare_encoder_info_extend` strips the whole encoder from a chunk that holds only part "
+            "of it (`Expected 0, got -4` with a 1-token budget and a 5-token encoder; `Expected 11, got 4` when such "
+            "a chunk shares the batch with other requests). The disabled tree itself is not the cause: a chunked "
+            "request's next chunk resumes at `checkpoint_kv_cache`'s `prefix_len = extend_end` either way."
+        ),
+        how=(
+            "only a first admission of a request with encoder tokens is checked, against the cut stock would make "
+            "(`floor_chunked_tokens` of the remaining budget). A cut past the encoder stands. Otherwise the request "
+            "waits (`AddReqResult.OTHER`) when other requests already share this prefill batch; alone, the chunk "
+            "budget is raised to the smallest encoder-safe chunk (`first_chunk_end`) for that one stock call, so "
+            "stock's memory check, chunk bookkeeping and budget charge all see the tokens really admitted, and then "
+            "lowered by what the call charged. Same rule, same log line as the other admission path."
+        ),
+        upstream="open in 0.5.23",
+        remove_when="sglang's PrefillAdder keeps encoder spans whole on both admission paths",
     ),
     Patch(
         title="Decode rows of a mixed batch keep their encoder bookkeeping",

@@ -116,15 +116,8 @@ def moss_vl_provider_around(original: Callable, fn: Callable, server_args: Any, 
 
         declare = _DECLARATIONS_BY_DEVICE.get(resolving_view(server_args).device)
         if declare is not None:
-            declared = declare(server_args)
-            if declared.get("disable_radix_cache") or resolving_view(server_args).disable_radix_cache:
-                logger.warning(
-                    "MOSS-VL: chunked prefill stays off: with the prefix cache disabled a continuing chunk of a "
-                    "request with vision input is not supported yet."
-                )
-            else:
-                keep_chunked_prefill(server_args)
-            return declared
+            keep_chunked_prefill(server_args)
+            return declare(server_args)
     return original(fn, server_args, hf_config)
 
 
@@ -150,13 +143,11 @@ PATCHES = (
             f"measured ~20 % non-deterministic greedy outputs with retained encoder pages; `{RADIX_OPT_IN_ENV}=1` "
             "keeps it); decode graphs are forced off (the Ascend graph decode path ignores the encoder); start-up "
             "is refused when `ASCEND_USE_FIA`/`ASCEND_USE_FA` are set (those extend paths ignore the encoder "
-            "prefix). On `cpu`: `torch_native` unless the user chose a backend. On both, with the radix cache on, "
-            "chunked prefill stays on: stock `handle_model_capability_adjustments` forces `chunked_prefill_size = "
+            "prefix). On `cpu`: `torch_native` unless the user chose a backend. On both, with the radix cache on or "
+            "off, chunked prefill stays on: stock `handle_model_capability_adjustments` forces `chunked_prefill_size = "
             "-1` for MOSS-VL because a cut could split the encoder span, which `chunked_prefill` prevents; the "
             "resolution's memoized `ModelConfig` is marked as supporting it before that stock check runs, so "
-            "`--chunked-prefill-size N` is kept (else the device default) and `--enable-mixed-chunk` works. With the "
-            "radix cache off (the NPU default) chunked prefill stays off with one log line: a continuing chunk of a "
-            "vision request then fails `prepare_encoder_info_extend`'s size check (not fixed yet). Any other "
+            "`--chunked-prefill-size N` is kept (else the device default) and `--enable-mixed-chunk` works. Any other "
             "`--device` runs the stock provider, assertion included."
         ),
         upstream="open in 0.5.23",
