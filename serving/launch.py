@@ -109,14 +109,6 @@ def engine_env(device: str, extra_args: list[str] | None = None) -> dict[str, st
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH", "")) if p)
-        if "OMP_WAIT_POLICY" not in env:
-            # The scheduler's OpenMP threads share the cores with the HTTP server, the tokenizer, the detokenizer
-            # and often the client. Threads that spin at the end of every parallel region then take the core
-            # from the thread they wait for, and each small op waits for a time slice: decode steps several
-            # times slower under concurrent streams (README, benchmarks/bench_decode_concurrency.py). Passive
-            # threads sleep instead.
-            env["OMP_WAIT_POLICY"] = "PASSIVE"
-            logger.info("CPU engine: OMP_WAIT_POLICY=PASSIVE (OpenMP threads share the cores with the server)")
         ranks = rank_count(list(extra_args or []))
         if ranks > 1:
             settings = multi_rank_cpu_env(ranks, list(os.sched_getaffinity(0)))

@@ -27,7 +27,7 @@ from openai import OpenAI
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
 from mossvl_ascend import cpu_parallel, rank_report
 from mossvl_ascend.cpu_parallel import without_pynccl
-from serving.launch import SglangServer, cpu_threads_bind, engine_env, rank_count
+from serving.launch import SglangServer, cpu_threads_bind, rank_count
 from support.serving import CASES, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
 
 pytestmark = pytest.mark.timeout(1200)
@@ -103,14 +103,6 @@ def test_rank_count_reads_every_parallel_flag(args, ranks):
 ])  # fmt: skip
 def test_threads_bind_gives_each_rank_its_own_cores(ranks, cores, expected):
     assert cpu_threads_bind(ranks, cores) == expected
-
-
-def test_cpu_engine_threads_wait_passively_unless_the_user_chose(monkeypatch):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert engine_env("cpu")["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert "OMP_WAIT_POLICY" not in engine_env("npu")
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert engine_env("cpu")["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def test_cpu_groups_default_to_no_pynccl_but_keep_an_explicit_choice():
