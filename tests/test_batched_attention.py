@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fake_torch_npu import installed_fake_torch_npu
 from mossvl_ascend.attention import core
@@ -27,6 +28,18 @@ from support.attention import (
 )
 
 HEADS = {"gqa": (4, 2), "mha": (2, 2)}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
 
 
 def mixed_requests():
@@ -82,6 +95,24 @@ def test_unequal_lengths_split_into_few_buckets_not_one_call_per_request(monkeyp
     assert 1 < len(groups) <= 3
     out = run(attention, batch, metadata, cross=False)
     torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
+
+
+def test_building_a_forwards_tables_takes_as_many_ops_for_16_requests_as_for_one():
+    """Host work per forward must not grow with the batch: the padded tables of a decode batch (self and cross,
+    unequal lengths, one bucket) are built with the same number of aten ops for 1 and for 16 requests."""
+
+    def ops_to_build(count):
+        requests = [Request(spans=[3, 2], prefix_len=4 + i % 5, extend_len=1) for i in range(count)]
+        batch = build_batch(requests)
+        metadata = ForwardAttentionMetadata.for_decode(
+            [r.text_len for r in requests], [r.encoder_len for r in requests], "cpu"
+        )
+        with OpCounter() as counter:
+            for cross in (False, True):
+                assert len(core._build_groups(metadata, batch.req_to_token, batch.req_pool_indices, cross)) == 1
+        return counter.ops
+
+    assert ops_to_build(16) <= ops_to_build(1) + 4
 
 
 def test_groups_are_built_once_per_forward():

@@ -29,6 +29,7 @@ Tensors: query/output ``[num_tokens, num_heads, head_dim]`` packed in batch orde
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -100,13 +101,12 @@ class PaddedGroup:
 
     ``slots`` ``[B, max_keys]`` KV-pool slots of each request's keys, which start at ``key_starts`` ``[B]`` in its
     slots (self-attention: behind the encoder) and number ``key_lens`` ``[B]``; ``query_index`` ``[B, max_rows]``
-    packed row of each new row, ``row_lens`` ``[B]``; ``prefix_lens`` ``[B]`` cached text (the causal offset);
-    ``boundaries`` ``[B, max_rows]`` (cross-attention). ``visible`` ``[B, 1, rows, keys]`` (True = attend: below
-    the boundary for cross-attention, causal with the cached prefix and within the length for self-attention) is
-    None when every row sees every key (decode over equal lengths, decided on the host); ``output_rows`` /
-    ``padded_rows`` map the real rows between the packed and the padded layout. ``row_key_ends`` (one-row
-    groups only, else None): on the host, where each request's row stops seeing keys in its slots (the paged
-    decode's KV lengths, known without a device sync).
+    packed row of each new row. ``visible`` ``[B, 1, rows, keys]`` (True = attend: below the boundary for
+    cross-attention, causal with the cached prefix and within the length for self-attention) is None when every
+    row sees every key (decode over equal lengths, decided on the host); ``output_rows`` / ``padded_rows`` map the
+    real rows between the packed and the padded layout. ``row_key_ends`` (one-row groups only, else None): on the
+    host, where each request's row stops seeing keys in its slots (the paged decode's KV lengths, known without a
+    device sync).
     """
 
     requests: tuple[int, ...]
@@ -114,9 +114,6 @@ class PaddedGroup:
     key_lens: torch.Tensor
     key_starts: torch.Tensor
     query_index: torch.Tensor
-    row_lens: torch.Tensor
-    prefix_lens: torch.Tensor
-    boundaries: torch.Tensor | None
     visible: torch.Tensor | None
     output_rows: torch.Tensor
     padded_rows: torch.Tensor
@@ -224,56 +221,62 @@ def _build_groups(metadata, req_to_token, req_pool_indices, is_cross: bool, max_
 
 def _length_buckets(members: list[int], row_lens: list[int], key_lens: list[int], max_keys=None) -> list[list[int]]:
     """Split requests (sorted by key length) so each call's padded area stays within ``PADDING_LIMIT`` and its
-    padded keys within ``max_keys`` (the device's gather budget; None: unbounded)."""
+    padded keys within ``max_keys`` (the device's gather budget; None: unbounded). One pass, running totals."""
     buckets: list[list[int]] = []
     current: list[int] = []
+    most_rows = most_keys = useful = 0
     for i in sorted(members, key=lambda r: (key_lens[r], row_lens[r])):
-        candidate = current + [i]
-        padded = len(candidate) * max(row_lens[r] for r in candidate) * max(key_lens[r] for r in candidate)
-        useful = sum(row_lens[r] * key_lens[r] for r in candidate)
-        too_many_keys = max_keys is not None and len(candidate) * max(key_lens[r] for r in candidate) > max_keys
-        if current and (padded > max(_PADDING_FLOOR, PADDING_LIMIT * useful) or too_many_keys):
+        rows, keys = max(most_rows, row_lens[i]), max(most_keys, key_lens[i])
+        count, area = len(current) + 1, useful + row_lens[i] * key_lens[i]
+        too_many_keys = max_keys is not None and count * keys > max_keys
+        if current and (count * rows * keys > max(_PADDING_FLOOR, PADDING_LIMIT * area) or too_many_keys):
             buckets.append(current)
-            candidate = [i]
-        current = candidate
+            current, rows, keys, area = [], row_lens[i], key_lens[i], row_lens[i] * key_lens[i]
+        current.append(i)
+        most_rows, most_keys, useful = rows, keys, area
     if current:
         buckets.append(current)
     return buckets
 
 
 def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], is_cross: bool) -> PaddedGroup:
+    """One call's padded tables, built with a fixed number of ops whatever the group size and with no device
+    sync: the per-request integers go to the device in one copy, and everything else is derived there."""
     device = req_to_token.device
-    query_starts = [0]
-    for n in metadata.extend_lens:
-        query_starts.append(query_starts[-1] + n)
+    query_starts = list(itertools.accumulate(metadata.extend_lens, initial=0))
     row_lens = [metadata.extend_lens[i] for i in members]
     key_starts = [0 if is_cross else metadata.encoder_lens[i] for i in members]
-    key_lens = [metadata.encoder_lens[i] if is_cross else metadata.seq_lens[i] for i in members]
-    max_rows, max_keys = max(row_lens), max(key_lens)
+    text_lens = metadata.seq_lens  # a property: read once
+    key_lens = [metadata.encoder_lens[i] if is_cross else text_lens[i] for i in members]
+    packed_starts = list(itertools.accumulate(row_lens, initial=0))[:-1]  # of each request's rows in this group
+    max_rows, max_keys, total_rows = max(row_lens), max(key_lens), sum(row_lens)
+    per_request = torch.tensor(
+        [
+            row_lens,
+            key_starts,
+            key_lens,
+            [query_starts[i] for i in members],
+            [metadata.prefix_lens[i] for i in members],
+            [j * max_rows - start for j, start in enumerate(packed_starts)],
+            [query_starts[i] - start for i, start in zip(members, packed_starts)],
+        ],
+        device=device,
+    )
+    row_lens_t, key_starts_t, key_lens_t, query_starts_t, prefix_lens_t, to_padded, to_packed = per_request
 
-    key_lens_t = torch.tensor(key_lens, device=device)
-    key_starts_t = torch.tensor(key_starts, device=device)
     key_offsets = torch.arange(max_keys, device=device)[None, :]
     columns = (key_starts_t[:, None] + key_offsets).clamp_(max=req_to_token.shape[1] - 1)
     pool_rows = req_pool_indices[members].to(device).long()
     slots = req_to_token[pool_rows[:, None], columns].long()
     slots = slots.masked_fill_(key_offsets >= key_lens_t[:, None], 0)
 
-    row_lens_t = torch.tensor(row_lens, device=device)
     row_offsets = torch.arange(max_rows, device=device)[None, :]
-    query_index = torch.tensor([query_starts[i] for i in members], device=device)[:, None] + row_offsets
-    query_index = query_index.masked_fill_(row_offsets >= row_lens_t[:, None], 0)
+    query_index = (query_starts_t[:, None] + row_offsets).masked_fill_(row_offsets >= row_lens_t[:, None], 0)
+    # Real row r of the group (packed order): padded position and packed batch row, without a boolean gather.
+    real_rows = torch.arange(total_rows, device=device)
+    padded_rows = torch.repeat_interleave(to_padded, row_lens_t, output_size=total_rows) + real_rows
+    output_rows = torch.repeat_interleave(to_packed, row_lens_t, output_size=total_rows) + real_rows
 
-    boundaries = None
-    if is_cross:
-        boundaries = torch.zeros(len(members), max_rows, dtype=torch.int64, device=device)
-        for j, i in enumerate(members):
-            request_bounds = metadata.cross_boundaries[i]
-            if request_bounds is None:
-                boundaries[j, : row_lens[j]] = metadata.encoder_lens[i]
-            else:
-                boundaries[j, : row_lens[j]] = request_bounds.to(device)
-    prefix_lens = torch.tensor([metadata.prefix_lens[i] for i in members], device=device)
     # One row per request after its whole cached text (decode): the causal limit is the key length itself.
     sees_all_keys = max_rows == 1 and len(set(key_lens)) == 1
     if is_cross:
@@ -282,12 +285,11 @@ def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], 
     if not sees_all_keys:
         keys = key_offsets[:, None, :]  # [1, 1, max_keys]
         if is_cross:
-            visible = keys < boundaries[:, :, None]
+            visible = keys < _padded_boundaries(metadata, members, key_lens_t, max_rows, device)[:, :, None]
         else:
-            causal_limit = prefix_lens[:, None, None] + row_offsets[:, :, None]
+            causal_limit = prefix_lens_t[:, None, None] + row_offsets[:, :, None]
             visible = (keys < key_lens_t[:, None, None]) & (keys <= causal_limit)
         visible = visible[:, None]
-    real = (row_offsets < row_lens_t[:, None]).flatten()
     row_key_ends = None
     if max_rows == 1:
         row_key_ends = tuple(
@@ -295,19 +297,21 @@ def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], 
             for i, start, length in zip(members, key_starts, key_lens)
         )
     return PaddedGroup(
-        tuple(members),
-        slots,
-        key_lens_t,
-        key_starts_t,
-        query_index,
-        row_lens_t,
-        prefix_lens,
-        boundaries,
-        visible,
-        query_index.flatten()[real],
-        real.nonzero().flatten(),
-        row_key_ends,
+        tuple(members), slots, key_lens_t, key_starts_t, query_index, visible, output_rows, padded_rows, row_key_ends
     )
+
+
+def _padded_boundaries(metadata, members: list[int], encoder_lens: torch.Tensor, max_rows: int, device):
+    """``[B, max_rows]`` encoder boundary of each new row; rows past a request's length are padding (discarded),
+    so they may take any value. Requests whose rows see every frame need no per-row data."""
+    bounds = [metadata.cross_boundaries[i] for i in members]
+    if all(b is None for b in bounds):
+        return encoder_lens[:, None].expand(-1, max_rows)
+    rows = [
+        torch.full((metadata.extend_lens[i],), metadata.encoder_lens[i], device=device) if b is None else b.to(device)
+        for i, b in zip(members, bounds)
+    ]
+    return torch.nn.utils.rnn.pad_sequence([r.long() for r in rows], batch_first=True)
 
 
 def _first_boundary(metadata, index: int) -> int:
