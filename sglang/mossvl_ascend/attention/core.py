@@ -246,8 +246,7 @@ def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], 
     query_starts = list(itertools.accumulate(metadata.extend_lens, initial=0))
     row_lens = [metadata.extend_lens[i] for i in members]
     key_starts = [0 if is_cross else metadata.encoder_lens[i] for i in members]
-    text_lens = metadata.seq_lens  # a property: read once
-    key_lens = [metadata.encoder_lens[i] if is_cross else text_lens[i] for i in members]
+    key_lens = [metadata.encoder_lens[i] if is_cross else metadata.seq_lens[i] for i in members]
     packed_starts = list(itertools.accumulate(row_lens, initial=0))[:-1]  # of each request's rows in this group
     max_rows, max_keys, total_rows = max(row_lens), max(key_lens), sum(row_lens)
     per_request = torch.tensor(
@@ -308,10 +307,12 @@ def _padded_boundaries(metadata, members: list[int], encoder_lens: torch.Tensor,
     if all(b is None for b in bounds):
         return encoder_lens[:, None].expand(-1, max_rows)
     rows = [
-        torch.full((metadata.extend_lens[i],), metadata.encoder_lens[i], device=device) if b is None else b.to(device)
+        torch.full((metadata.extend_lens[i],), metadata.encoder_lens[i], device=device)
+        if b is None
+        else b.to(device, torch.int64)
         for i, b in zip(members, bounds)
     ]
-    return torch.nn.utils.rnn.pad_sequence([r.long() for r in rows], batch_first=True)
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
 def _first_boundary(metadata, index: int) -> int:

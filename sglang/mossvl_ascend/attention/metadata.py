@@ -15,6 +15,7 @@ KV layout (``ScheduleBatch.prepare_encoder_info_extend``): a request's slots are
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -130,9 +131,9 @@ class ForwardAttentionMetadata:
     def batch_size(self) -> int:
         return len(self.extend_lens)
 
-    @property
+    @functools.cached_property
     def seq_lens(self) -> list[int]:
-        """Text tokens per request after this forward (cached prefix + new rows)."""
+        """Text tokens per request after this forward (cached prefix + new rows); computed once per forward."""
         return [p + q for p, q in zip(self.prefix_lens, self.extend_lens)]
 
     def cached(self, key, build):
