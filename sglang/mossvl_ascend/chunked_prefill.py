@@ -22,6 +22,18 @@ def first_chunk_end(encoder_len: int, page_size: int, prompt_len: int) -> int:
     return min(-(-min_end // page_size) * page_size, prompt_len)
 
 
+def _log_whole_encoder_admission(req, budget: int, encoder_len: int, admitted: int) -> None:
+    """The one log line of both admission paths when a request alone gets a chunk wider than the budget."""
+    logger.info(
+        "Request %s: chunk budget %d is smaller than its encoder span (%d tokens) plus one text row; "
+        "admitting %d tokens in one chunk (an encoder is never split).",
+        req.rid,
+        budget,
+        encoder_len,
+        admitted,
+    )
+
+
 def keep_encoder_whole(original, adder, req, **kwargs):
     """AROUND hook: reject or widen a first chunk that would end inside (or right at) the encoder span."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
@@ -37,14 +49,7 @@ def keep_encoder_whole(original, adder, req, **kwargs):
         return AddReqResult.OTHER
     prompt_len = len(req.full_untruncated_fill_ids)
     end = first_chunk_end(encoder_len, adder.page_size, prompt_len)
-    logger.info(
-        "Request %s: chunk budget %d is smaller than its encoder span (%d tokens) plus one text row; "
-        "admitting %d tokens in one chunk (an encoder is never split).",
-        req.rid,
-        admission.extend_len,
-        encoder_len,
-        end - admission.prefix_len,
-    )
+    _log_whole_encoder_admission(req, admission.extend_len, encoder_len, end - admission.prefix_len)
     is_chunked = end < prompt_len
     max_new_tokens = 0 if is_chunked else min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS)
     return dataclasses.replace(
@@ -73,14 +78,7 @@ def keep_encoder_whole_on_the_ignore_eos_path(original, adder, req):
     if adder.can_run_list:
         return AddReqResult.OTHER
     widened = first_chunk_end(encoder_len, adder.page_size, prompt_len) - req.prefix_len
-    logger.info(
-        "Request %s: chunk budget %d is smaller than its encoder span (%d tokens) plus one text row; "
-        "admitting %d tokens in one chunk (an encoder is never split).",
-        req.rid,
-        budget,
-        encoder_len,
-        widened,
-    )
+    _log_whole_encoder_admission(req, budget, encoder_len, widened)
     adder.rem_chunk_tokens = widened
     try:
         return original(adder, req)
