@@ -11,12 +11,11 @@ block, or a mask read with the wrong polarity, moves many tokens by far more (an
 from __future__ import annotations
 
 import pytest
-import requests
 import torch
 
 from moss_vl_reference.queries_moss_vl import file_data_url
 from serving.launch import SglangServer
-from support.serving import ASSETS, load_reference
+from support.serving import ASSETS, load_reference, served_prompt_logprobs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -65,19 +64,9 @@ def reference(checkpoint):
 def served(checkpoint, reference):
     bf16_args = ["--dtype", "bfloat16", "--skip-server-warmup"]
     with SglangServer(checkpoint, extra_args=bf16_args, name="test-bf16") as server:
-        response = requests.post(
-            f"{server.base_url}/generate",
-            json={
-                "text": reference["text"],
-                "image_data": [file_data_url(path) for path in IMAGES],
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                "return_logprob": True,
-                "logprob_start_len": 0,
-            },
-            timeout=600,
+        return served_prompt_logprobs(
+            server.base_url, reference["text"], image_urls=[file_data_url(path) for path in IMAGES]
         )
-    response.raise_for_status()
-    return response.json()["meta_info"]["input_token_logprobs"]
 
 
 def test_bf16_prompt_logprobs_within_the_dtype_tolerance(reference, served):

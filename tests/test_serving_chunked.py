@@ -30,7 +30,17 @@ import requests
 from openai import APIConnectionError, OpenAI
 
 from serving.launch import REPO_ROOT, SglangServer
-from support.serving import ASSETS, CASES, GREEDY, MAX_TOKENS, load_reference, reference_ids, served_ids, to_openai
+from support.serving import (
+    ASSETS,
+    CASES,
+    GREEDY,
+    MAX_TOKENS,
+    load_reference,
+    reference_ids,
+    served_ids,
+    served_prompt_logprobs,
+    to_openai,
+)
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -94,17 +104,12 @@ def prompt_logprobs(server, processor, messages) -> dict:
     """Ids and logprobs of the prompt's text tokens: native ``/generate`` on the chat template's text with its
     media placeholders and the media as data URLs (the path sglang accepts for a video as well as for images)."""
     media = [part for m in to_openai(messages) if isinstance(m["content"], list) for part in m["content"]]
-    body = {
-        "text": processor.apply_chat_template(messages, add_generation_prompt=True),
-        "image_data": [p["image_url"]["url"] for p in media if p["type"] == "image_url"] or None,
-        "video_data": [p["video_url"]["url"] for p in media if p["type"] == "video_url"] or None,
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-        "return_logprob": True,
-        "logprob_start_len": 0,
-    }
-    response = requests.post(f"{server.base_url}/generate", json=body, timeout=600)
-    response.raise_for_status()
-    entries = response.json()["meta_info"]["input_token_logprobs"]
+    entries = served_prompt_logprobs(
+        server.base_url,
+        processor.apply_chat_template(messages, add_generation_prompt=True),
+        image_urls=[p["image_url"]["url"] for p in media if p["type"] == "image_url"],
+        video_urls=[p["video_url"]["url"] for p in media if p["type"] == "video_url"],
+    )
     return {"ids": [entry[1] for entry in entries], "logprobs": [entry[0] for entry in entries if entry[0] is not None]}
 
 

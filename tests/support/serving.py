@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import requests
 import torch
 
 from moss_vl_reference.queries_moss_vl import file_data_url
@@ -123,3 +124,19 @@ def served_ids(client, model_name: str, messages: list[dict], **overrides) -> di
 def cached_tokens(usage) -> int:
     details = usage.prompt_tokens_details
     return (details.cached_tokens or 0) if details is not None else 0
+
+
+def served_prompt_logprobs(base_url: str, text: str, image_urls=(), video_urls=()) -> list[list]:
+    """sglang's ``input_token_logprobs`` (``[logprob, token id, ...]`` per prompt token, the first logprob None) from
+    native ``/generate``: ``text`` with its media placeholders, the media as URLs, one greedy token."""
+    body = {
+        "text": text,
+        "image_data": list(image_urls) or None,
+        "video_data": list(video_urls) or None,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    response = requests.post(f"{base_url}/generate", json=body, timeout=600)
+    response.raise_for_status()
+    return response.json()["meta_info"]["input_token_logprobs"]
