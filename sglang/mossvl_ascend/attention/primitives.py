@@ -23,9 +23,14 @@ import torch
 
 # The plain path materialises fp32 scores; bound one chunk to this many elements (64 MiB).
 _PLAIN_SCORE_ELEMENTS = 1 << 24
-# The CPU kernel folds GQA query heads into rows up to this many rows per head: it pays off when a call's rows
-# are fewer than the kernel's query tile (decode); at 32 rows it measured even (benchmarks/bench_native_attention.py).
+# The CPU kernel folds GQA query heads into rows (``cpu_attention_with_lse``) for calls of up to this many rows
+# (decode: each KV head's K/V is streamed once instead of once per query head); at 32 masked rows (extend) it
+# measured even, and a masked call pays for repeating its mask per folded head.
 _FOLD_MAX_ROWS = 16
+# ... and for unmasked calls below this many rows: the kernel picks its query tile from a call's rows (256 from
+# 768 rows on, 64 or 32 below), so a 192-767-row block of the frame-causal plan reaches the large tile when
+# folded (512 x 5590 block, 8:2 heads: 27 -> 23 ms, benchmarks/bench_cross_attention.py); above it, no gain.
+_KERNEL_LARGE_TILE_ROWS = 768
 
 
 def attention_with_lse(
@@ -63,13 +68,14 @@ def attention_with_lse(
 def cpu_attention_with_lse(q, k, v, scale, *, visible=None):
     """The CPU flash kernel; it takes an additive mask of the query's dtype (0 = attend, -inf = masked).
 
-    With GQA and few rows (decode), the query heads that share a KV head are folded into the rows of one head
-    (``[B, Hk, group * L, D]``): the kernel then streams each KV head's K/V once instead of once per query head,
-    which makes decode about 3x faster on this kernel (memory-bound); the math per row is unchanged.
+    With GQA and few rows (decode, or an unmasked block below the kernel's large query tile), the query heads that
+    share a KV head are folded into the rows of one head (``[B, Hk, group * L, D]``): the kernel then streams each
+    KV head's K/V once instead of once per query head (decode: about 3x faster, memory-bound) and runs larger
+    query tiles; the math per row is unchanged.
     """
     batch, num_heads, rows, dim = q.shape
     group = num_heads // k.shape[1]
-    fold = group > 1 and rows <= _FOLD_MAX_ROWS
+    fold = group > 1 and (rows <= _FOLD_MAX_ROWS or (visible is None and rows < _KERNEL_LARGE_TILE_ROWS))
     if fold:
         q = q.reshape(batch, k.shape[1], group * rows, dim)  # query head h = kv head h // group, row g * L + r
         if visible is not None and visible.shape[-2] > 1:
