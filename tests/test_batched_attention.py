@@ -31,14 +31,16 @@ HEADS = {"gqa": (4, 2), "mha": (2, 2)}
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops run while it is active."""
+    """Counts the aten ops run while it is active, and keeps their names."""
 
     def __init__(self):
         super().__init__()
         self.ops = 0
+        self.names = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        self.names.add(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
 
@@ -164,17 +166,35 @@ def test_gather_budget_splits_the_batch_and_keeps_the_result(monkeypatch):
     torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
-def test_opt_in_paged_one_row_extends_respect_each_rows_visibility(cross, monkeypatch):
-    """One-row extends in a mixed batch (a row seeing the first frame only, one seeing none, one seeing all, one
-    without an encoder) go through the paged call with KV lengths read on the host: equal to the dense reference."""
-    requests = [
+def one_row_extend_requests():
+    """Mixed-batch members of one new row each: seeing the first frame only, no frame, every frame, no encoder."""
+    return [
         Request(spans=[4, 3], prefix_len=2, extend_len=1, visible_frame_counts=[1, 1, 1]),
         Request(spans=[5], prefix_len=1, extend_len=1, visible_frame_counts=[0, 0]),
         Request(spans=[2, 2, 2], prefix_len=4, extend_len=1, visible_frame_counts=[3] * 5),
         Request(spans=[], prefix_len=3, extend_len=1),
     ]
-    batch = build_batch(requests)
+
+
+@pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
+def test_default_path_reads_no_device_value_on_the_host(cross):
+    """One-row members with their own boundaries: the default (gather) path builds its tables and attends without
+    reading a device value on the host (``aten._local_scalar_dense``, behind ``int()`` / ``.item()``), which would
+    be a device sync per request on an NPU; the result still equals the dense reference."""
+    batch = build_batch(one_row_extend_requests())
+    metadata = extend_metadata(batch)
+    with OpCounter() as counter:
+        out = run(attention, batch, metadata, cross)
+    assert "_local_scalar_dense" not in counter.names
+    reference = (reference_cross_extend if cross else reference_self_extend)(batch, SCALE)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
+def test_opt_in_paged_one_row_extends_respect_each_rows_visibility(cross, monkeypatch):
+    """One-row extends in a mixed batch (a row seeing the first frame only, one seeing none, one seeing all, one
+    without an encoder) go through the paged call with KV lengths read on the host: equal to the dense reference."""
+    batch = build_batch(one_row_extend_requests())
     metadata = extend_metadata(batch)
     with installed_fake_torch_npu():
         monkeypatch.setenv("MOSSVL_NPU_PAGED_ATTENTION", "1")

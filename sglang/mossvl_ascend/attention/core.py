@@ -104,9 +104,7 @@ class PaddedGroup:
     packed row of each new row. ``visible`` ``[B, 1, rows, keys]`` (True = attend: below the boundary for
     cross-attention, causal with the cached prefix and within the length for self-attention) is None when every
     row sees every key (decode over equal lengths, decided on the host); ``output_rows`` / ``padded_rows`` map the
-    real rows between the packed and the padded layout. ``row_key_ends`` (one-row groups only, else None): on the
-    host, where each request's row stops seeing keys in its slots (the paged decode's KV lengths, known without a
-    device sync).
+    real rows between the packed and the padded layout.
     """
 
     requests: tuple[int, ...]
@@ -117,7 +115,6 @@ class PaddedGroup:
     visible: torch.Tensor | None
     output_rows: torch.Tensor
     padded_rows: torch.Tensor
-    row_key_ends: tuple[int, ...] | None = None
 
 
 def attention(
@@ -141,7 +138,7 @@ def attention(
     for group in _groups(metadata, req_to_token, req_pool_indices, layer.is_cross_attention, k_cache, v_cache):
         if paged and group.query_index.shape[1] == 1:
             _paged_group_attention(
-                query, output, k_cache, v_cache, req_to_token, req_pool_indices, group, layer, page_size
+                query, output, k_cache, v_cache, req_to_token, req_pool_indices, metadata, group, layer, page_size
             )
         else:
             _group_attention(query, output, k_cache, v_cache, group, layer, full_to_swa_mapping)
@@ -289,15 +286,7 @@ def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], 
             causal_limit = prefix_lens_t[:, None, None] + row_offsets[:, :, None]
             visible = (keys < key_lens_t[:, None, None]) & (keys <= causal_limit)
         visible = visible[:, None]
-    row_key_ends = None
-    if max_rows == 1:
-        row_key_ends = tuple(
-            (_first_boundary(metadata, i) if is_cross else start + length)
-            for i, start, length in zip(members, key_starts, key_lens)
-        )
-    return PaddedGroup(
-        tuple(members), slots, key_lens_t, key_starts_t, query_index, visible, output_rows, padded_rows, row_key_ends
-    )
+    return PaddedGroup(tuple(members), slots, key_lens_t, key_starts_t, query_index, visible, output_rows, padded_rows)
 
 
 def _padded_boundaries(metadata, members: list[int], encoder_lens: torch.Tensor, max_rows: int, device):
@@ -315,10 +304,13 @@ def _padded_boundaries(metadata, members: list[int], encoder_lens: torch.Tensor,
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
-def _first_boundary(metadata, index: int) -> int:
-    """The encoder boundary of request ``index``'s first new row (its whole encoder when it sees every frame)."""
-    bounds = metadata.cross_boundaries[index]
-    return metadata.encoder_lens[index] if bounds is None else int(bounds[0])
+def _row_key_ends(metadata, requests: tuple[int, ...], is_cross: bool) -> list[int]:
+    """Where each one-row request stops seeing keys in its slots: the paged call's KV lengths, from host metadata.
+    Only the paged call asks: a request with its own boundaries costs a device read (``int(bounds[0])``)."""
+    if not is_cross:
+        return [metadata.encoder_lens[i] + metadata.seq_lens[i] for i in requests]
+    bounds = [metadata.cross_boundaries[i] for i in requests]
+    return [metadata.encoder_lens[i] if b is None else int(b[0]) for i, b in zip(requests, bounds)]
 
 
 def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer: AttentionLayer, slot_map) -> None:
@@ -371,11 +363,13 @@ def _paged_attention_enabled(device: torch.device) -> bool:
     return device.type in PAGED_ATTENTION_DEVICES and os.environ.get("MOSSVL_NPU_PAGED_ATTENTION") == "1"
 
 
-def _paged_group_attention(query, output, k_cache, v_cache, req_to_token, req_pool_indices, group, layer, page_size):
+def _paged_group_attention(
+    query, output, k_cache, v_cache, req_to_token, req_pool_indices, metadata, group, layer, page_size
+):
     """One-row group straight from the paged pool: block table over each request's slots up to the end of its
     keys, the encoder in front of self-attention's text masked out, no K/V gather."""
     device = query.device
-    ends = list(group.row_key_ends)
+    ends = _row_key_ends(metadata, group.requests, layer.is_cross_attention)
     max_end = max(ends)
     blocks = -(-max_end // page_size)
     columns = (torch.arange(blocks, device=device) * page_size).clamp_(max=req_to_token.shape[1] - 1)
