@@ -8,7 +8,7 @@ conversation turn (the first turn repeated, plus a question) with the first turn
 same server right after ``/flush_cache``, without it. Then a second server with chunked prefill and mixed
 chunks (``--chunked-prefill-size N --enable-mixed-chunk``; the first one runs unchunked, ``--chunked-prefill-size
 -1``) runs the same bench_serving passes at the chunked concurrency, side by side in the table (issue 12).
-Last, with every server stopped (an idle sglang scheduler busy-spins a core), the same requests (regenerated
+Last, with every server stopped (the reference gets the machine to itself), the same requests (regenerated
 in-process from the same seed by sglang's image dataset) go one after another through the reference transformers
 model, timed end to end including image decoding and the processor.
 

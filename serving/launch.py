@@ -139,6 +139,10 @@ def server_command(
     extra_args = list(extra_args or [])
     if "--max-total-tokens" not in extra_args:
         args += ["--max-total-tokens", str(DEFAULT_MAX_TOTAL_TOKENS)]
+    if device == "cpu" and "--sleep-on-idle" not in extra_args:
+        # Without it an idle scheduler polls its sockets in a busy loop, a whole core (measured: 1.01 cores idle,
+        # 0.01 with it); on a CPU server that core is the one the HTTP server, the detokenizer and the clients need.
+        args.append("--sleep-on-idle")
     return args + extra_args
 
 
