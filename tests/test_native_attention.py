@@ -150,38 +150,12 @@ def test_batch_without_encoder_lens_runs_stock(patched_native):
     """Text-only models keep the stock path: prefix-free causal attention over [0, seq_len)."""
     req = Request(spans=[], prefix_len=0, extend_len=5)
     batch = build_batch([req])
-    out = torch.empty_like(batch.query)
-    patched_native.run_sdpa_forward_extend(
-        batch.query,
-        out,
-        batch.k_cache,
-        batch.v_cache,
-        batch.req_to_token,
-        batch.req_pool_indices,
-        batch.seq_lens,
-        batch.extend_prefix_lens,
-        batch.extend_seq_lens,
-        None,
-        scaling=SCALE,
-        enable_gqa=True,
-        causal=True,
-    )
+    out = run_native_extend(patched_native, batch, cross=False, mask=None, scale=SCALE, with_encoder_lens=False)
     expected = reference_attention(batch.query, batch.text_k[0], batch.text_v[0], causal_with_prefix(5, 0), SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="without encoder_lens"):
-        patched_native.run_sdpa_forward_extend(
-            batch.query,
-            out,
-            batch.k_cache,
-            batch.v_cache,
-            batch.req_to_token,
-            batch.req_pool_indices,
-            batch.seq_lens,
-            batch.extend_prefix_lens,
-            batch.extend_seq_lens,
-            None,
-            cross_attention_custom_mask=torch.ones(5, dtype=torch.uint8),
-        )
+        mask = torch.ones(5, dtype=torch.uint8)
+        run_native_extend(patched_native, batch, cross=False, mask=mask, scale=SCALE, with_encoder_lens=False)
 
 
 # ----------------------------------------------------------------------------- decode (stock)

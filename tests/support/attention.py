@@ -220,7 +220,9 @@ def reference_self_extend(batch, scale, logit_cap=0.0):
     return out
 
 
-def run_native_extend(native, batch, *, cross, mask, scale, logit_cap=0.0):
+def run_native_extend(native, batch, *, cross, mask, scale, logit_cap=0.0, with_encoder_lens=True):
+    """The stock ``run_sdpa_forward_extend`` argument list on ``batch``; ``with_encoder_lens=False`` passes
+    ``encoder_lens=None``, as text-only models do."""
     output = torch.full_like(batch.query, float("nan"))
     return native.run_sdpa_forward_extend(
         batch.query,
@@ -232,7 +234,7 @@ def run_native_extend(native, batch, *, cross, mask, scale, logit_cap=0.0):
         batch.seq_lens,
         batch.extend_prefix_lens,
         batch.extend_seq_lens,
-        batch.encoder_lens,
+        batch.encoder_lens if with_encoder_lens else None,
         is_cross_attention=cross,
         scaling=scale,
         enable_gqa=batch.num_heads != batch.num_kv_heads,
