@@ -231,19 +231,26 @@ def _lse_merged_blocks(q, k, v, sorted_boundaries, blocks, scale: float, logit_c
     """Every block through the primitive; each row's blocks merged in fp32 by ``exp(lse_block - lse_row)``.
 
     Running form: the accumulator holds the merge of the blocks seen so far, normalised to their combined
-    log-sum-exp; a new block rescales it. Rows in no block (boundary 0) keep lse -inf and output 0.
+    log-sum-exp; a new block rescales it in place. A block whose rows no earlier block covered is written as it
+    is (a row's first block: about half the merge work at 256 frames). Rows in no block (boundary 0) keep lse
+    -inf and output 0.
     """
     num_heads, rows, _ = q.shape
     acc = torch.zeros(num_heads, rows, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((num_heads, rows), float("-inf"), device=q.device)
+    covered = bytearray(rows)  # host-side: rows some earlier block has written
     for block in blocks:
         rows_slice = slice(block.row_start, block.row_end)
         block_out, block_lse = _block_attention(q, k, v, sorted_boundaries, block, scale, logit_cap)
+        if not any(covered[rows_slice]):
+            acc[:, rows_slice] = block_out
+            lse[:, rows_slice] = block_lse
+            covered[rows_slice] = b"\x01" * (block.row_end - block.row_start)
+            continue
         old_lse = lse[:, rows_slice]
         new_lse = torch.logaddexp(old_lse, block_lse)
-        acc[:, rows_slice] = (
-            acc[:, rows_slice] * torch.exp(old_lse - new_lse)[..., None]
-            + block_out.float() * (torch.exp(block_lse - new_lse)[..., None])
+        acc[:, rows_slice].mul_(torch.exp(old_lse - new_lse)[..., None]).add_(
+            block_out.float().mul_(torch.exp(block_lse - new_lse)[..., None])
         )
         lse[:, rows_slice] = new_lse
     return acc.to(q.dtype)
