@@ -46,8 +46,8 @@ demo: setup ## serve the embedded tiny MOSS-VL with sglang + plugin, ask about a
 	$(CPU_ENV) $(PY) -m serving.demo
 
 MODEL ?= $(shell $(CPU_ENV) $(PY) -m moss_vl_reference.tiny_checkpoint 2>/dev/null | tail -n 1)
-# serving.launch adds the CPU engine settings and --sleep-on-idle on DEVICE=cpu (and a core split per rank for --tp-size/--dp-size > 1),
-# then execs python -m sglang.launch_server ... --host 127.0.0.1 --trust-remote-code --enable-multimodal.
+# serving.launch adds the CPU engine settings and --sleep-on-idle on DEVICE=cpu (and a core split per rank for
+# --tp-size/--dp-size > 1), then execs python -m sglang.launch_server ... --host 127.0.0.1 --trust-remote-code --enable-multimodal.
 serve: setup ## foreground server on 127.0.0.1:$(PORT); override MODEL=, DEVICE=, PORT=, ARGS= (e.g. ARGS="--tp-size 2")
 	$(PY) -m serving.launch --model-path $(MODEL) --device $(DEVICE) --port $(PORT) $(ARGS)
 
