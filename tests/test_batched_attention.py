@@ -87,6 +87,48 @@ def test_batched_equals_per_request_and_reference(cross, heads, logit_cap):
     torch.testing.assert_close(batched, reference, atol=1e-5, rtol=1e-5)
 
 
+class KernelCalls(TorchDispatchMode):
+    """Records (is_causal, has a mask) of every CPU flash-kernel call run while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            is_causal = args[4] if len(args) > 4 else False  # (q, k, v, dropout_p, is_causal); defaults omitted
+            self.calls.append((is_causal, kwargs.get("attn_mask") is not None))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_fresh_prefills_run_the_kernels_causal_flag_and_match_the_reference(heads):
+    """No request has a cached prefix: rows and keys start together, so the call passes the kernel's own causal flag
+    and no mask; unequal lengths (padding), encoders in front of the text, 3 to 30 rows (GQA rows must not fold)."""
+    requests = [
+        Request(spans=[4, 4], prefix_len=0, extend_len=9, visible_frame_counts=[1] * 4 + [2] * 5),
+        Request(spans=[], prefix_len=0, extend_len=3),
+        Request(spans=[6], prefix_len=0, extend_len=30, visible_frame_counts=[1] * 30),
+    ]
+    batch = build_batch(requests, *heads)
+    with KernelCalls() as kernel:
+        out = run(attention, batch, extend_metadata(batch), cross=False)
+    assert kernel.calls == [(True, False)]
+    torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
+
+
+def test_a_cached_prefix_in_the_call_keeps_the_mask():
+    """One request with a cached prefix among fresh ones: the kernel's causal flag would align its rows with its
+    first key, so the call keeps the mask."""
+    requests = [Request(spans=[], prefix_len=0, extend_len=7), Request(spans=[], prefix_len=5, extend_len=4)]
+    batch = build_batch(requests)
+    with KernelCalls() as kernel:
+        out = run(attention, batch, extend_metadata(batch), cross=False)
+    assert kernel.calls == [(False, True)]
+    torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
+
+
 def test_unequal_lengths_split_into_few_buckets_not_one_call_per_request(monkeypatch):
     lengths = [1, 2, 3, 20, 21, 22, 23, 24, 25, 26, 27, 28]
     requests = [Request(spans=[], prefix_len=n - 1, extend_len=1) for n in lengths]

@@ -42,16 +42,23 @@ def attention_with_lse(
     visible: torch.Tensor | None = None,
     logit_cap: float = 0.0,
     every_row_sees_a_key: bool = False,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over k/v with its per-row log-sum-exp; the device picks the implementation (module doc).
 
     ``every_row_sees_a_key``: the caller guarantees no row of ``visible`` is all False (causal self-attention,
     where a row sees at least itself), which skips the blind-row fix-up: fewer ops per layer call.
+    ``causal``: row r sees keys 0..r only (rows and keys start together), and ``visible`` must be None. The CPU
+    kernel applies it itself and skips the key blocks above the diagonal; elsewhere it becomes a ``visible`` mask.
     """
     batch, num_heads, rows, _ = q.shape
     if k.shape[2] == 0 or rows == 0:
         out = q.new_zeros(batch, num_heads, rows, v.shape[-1])
         return out, torch.full((batch, num_heads, rows), float("-inf"), device=q.device)
+    if causal:
+        if q.device.type == "cpu" and not logit_cap and q.shape[-1] == v.shape[-1]:
+            return cpu_attention_with_lse(q, k, v, scale, causal=True)
+        visible, every_row_sees_a_key = _top_left_causal(rows, k.shape[2], q.device), True
     if logit_cap > 0 or q.shape[-1] != v.shape[-1]:
         return plain_attention_with_lse(q, k, v, scale, visible=visible, logit_cap=logit_cap)
     fused = FUSED_ATTENTION_BY_DEVICE.get(q.device.type)
@@ -65,8 +72,14 @@ def attention_with_lse(
     return out, lse
 
 
-def cpu_attention_with_lse(q, k, v, scale, *, visible=None):
-    """The CPU flash kernel; it takes an additive mask of the query's dtype (0 = attend, -inf = masked).
+def _top_left_causal(rows: int, keys: int, device) -> torch.Tensor:
+    """``[1, 1, rows, keys]`` True where key <= row."""
+    return (torch.arange(keys, device=device) <= torch.arange(rows, device=device)[:, None])[None, None]
+
+
+def cpu_attention_with_lse(q, k, v, scale, *, visible=None, causal=False):
+    """The CPU flash kernel; it takes an additive mask of the query's dtype (0 = attend, -inf = masked), or
+    ``causal`` (its own top-left causal mask, which skips the key blocks above the diagonal).
 
     With GQA and few rows (decode, or an unmasked block below the kernel's large query tile), the query heads that
     share a KV head are folded into the rows of one head (``[B, Hk, group * L, D]``): the kernel then streams each
@@ -75,7 +88,9 @@ def cpu_attention_with_lse(q, k, v, scale, *, visible=None):
     """
     batch, num_heads, rows, dim = q.shape
     group = num_heads // k.shape[1]
-    fold = group > 1 and (rows <= _FOLD_MAX_ROWS or (visible is None and rows < _KERNEL_LARGE_TILE_ROWS))
+    # Folded rows are ``g * L + r``: the kernel's causal mask would compare those indices, so causal calls never fold.
+    small = rows <= _FOLD_MAX_ROWS or (visible is None and rows < _KERNEL_LARGE_TILE_ROWS)
+    fold = group > 1 and not causal and small
     if fold:
         q = q.reshape(batch, k.shape[1], group * rows, dim)  # query head h = kv head h // group, row g * L + r
         if visible is not None and visible.shape[-2] > 1:
@@ -83,7 +98,9 @@ def cpu_attention_with_lse(q, k, v, scale, *, visible=None):
     mask = None
     if visible is not None:
         mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, is_causal=causal, attn_mask=mask, scale=scale
+    )
     if fold:
         out, lse = out.reshape(batch, num_heads, rows, -1), lse.reshape(batch, num_heads, rows)
     return out, lse
