@@ -70,8 +70,14 @@ def openai_tpot(client: OpenAI, model: str, max_tokens: int) -> float:
 
 def plain_http_tpot(base_url: str, model: str, max_tokens: int) -> float:
     """TPOT of the same completion read as server-sent events off a plain HTTP connection."""
-    body = {"model": model, "messages": messages(), "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    body["ignore_eos"] = True
+    body = {
+        "model": model,
+        "messages": messages(),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     url = urlsplit(base_url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
     try:

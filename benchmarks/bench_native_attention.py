@@ -145,14 +145,17 @@ def kernel_floor_calls(shape: Shape, mode: str, kind: str, args, contexts: list[
         keys = slots[: shape.encoder_len] if kind == "cross" else slots[shape.encoder_len : shape.encoder_len + context]
         k, v = (cache[keys].transpose(0, 1).unsqueeze(0).contiguous() for cache in (k_cache, v_cache))
         q = query[index * rows : (index + 1) * rows].transpose(0, 1).unsqueeze(0).contiguous()
-        # causal self-attention extend: row r sees the keys up to context - rows + r
-        last_key = torch.arange(context - rows, context)[:, None] if kind == "self" else torch.tensor([[context]])
-        per_request.append((q, k, v, (torch.arange(len(keys)) <= last_key)[None, None] if rows > 1 else None))
+        seen = None  # cross rows see the whole encoder; a decode row sees its whole text
+        if kind == "self" and rows > 1:  # causal extend: row r sees the keys up to context - rows + r
+            seen = (torch.arange(context) <= torch.arange(context - rows, context)[:, None])[None, None]
+        per_request.append((q, k, v, seen))
     longest = max(k.shape[2] for _, k, _, _ in per_request)
-    padded = [torch.zeros(len(contexts), *k.shape[1:2], longest, k.shape[3], dtype=k.dtype) for k in (k, k)]
+    padded_k, padded_v = (
+        torch.zeros(len(contexts), shape.num_kv_heads, longest, shape.head_dim, dtype=query.dtype) for _ in range(2)
+    )
     visible = torch.zeros(len(contexts), 1, rows, longest, dtype=torch.bool)
     for index, (_, k, v, seen) in enumerate(per_request):
-        padded[0][index, :, : k.shape[2]], padded[1][index, :, : k.shape[2]] = k[0], v[0]
+        padded_k[index, :, : k.shape[2]], padded_v[index, :, : k.shape[2]] = k[0], v[0]
         visible[index, 0, :, : k.shape[2]] = True if seen is None else seen[0, 0]
     q = torch.cat([q for q, _, _, _ in per_request])
 
@@ -160,7 +163,7 @@ def kernel_floor_calls(shape: Shape, mode: str, kind: str, args, contexts: list[
         return [attention_with_lse(q, k, v, layer.scale, visible=seen) for q, k, v, seen in per_request]
 
     def one_padded_call():
-        return attention_with_lse(q, *padded, layer.scale, visible=visible, every_row_sees_a_key=True)
+        return attention_with_lse(q, padded_k, padded_v, layer.scale, visible=visible, every_row_sees_a_key=True)
 
     return one_call_per_request, one_padded_call
 
