@@ -8,6 +8,8 @@ and unequal lengths that force length buckets.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,6 +28,7 @@ from support.attention import (
     reference_cross_extend,
     reference_self_extend,
 )
+from support.precision import dense_same_dtype, fp64_reference, max_error
 
 HEADS = {"gqa": (4, 2), "mha": (2, 2)}
 
@@ -116,6 +119,35 @@ def test_fresh_prefills_run_the_kernels_causal_flag_and_match_the_reference(head
         out = run(attention, batch, extend_metadata(batch), cross=False)
     assert kernel.calls == [(True, False)]
     torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_fresh_prefills_through_the_causal_flag_within_the_precision_budget(dtype):
+    """The causal-flag call in every dtype, several fresh requests (8:2 heads), against the fp64 reference on the
+    same rounded inputs; budget as in test_attention_precision: fp32 1e-5, half precision 1.5x the error of one
+    dense masked attention in that dtype + 1e-3 (causal row r = boundary r + 1 over the request's text keys)."""
+    requests = [
+        Request(spans=[4, 4], prefix_len=0, extend_len=40, visible_frame_counts=[1] * 4 + [2] * 36),
+        Request(spans=[], prefix_len=0, extend_len=5),
+        Request(spans=[6], prefix_len=0, extend_len=57, visible_frame_counts=[1] * 57),
+    ]
+    batch = build_batch(requests, 8, 2)
+    batch = dataclasses.replace(
+        batch, query=batch.query.to(dtype), k_cache=batch.k_cache.to(dtype), v_cache=batch.v_cache.to(dtype)
+    )
+    out = run(attention, batch, extend_metadata(batch), cross=False)
+    assert out.dtype == dtype
+    for i, request in enumerate(requests):
+        text_slots = batch.slots[i][request.encoder_len :]
+        q = batch.query[batch.query_rows(i)].transpose(0, 1)  # [heads, rows, dim]
+        k, v = (cache[text_slots].transpose(0, 1) for cache in (batch.k_cache, batch.v_cache))
+        causal = torch.arange(1, request.extend_len + 1)
+        reference = fp64_reference(q, k, v, causal, SCALE)
+        error = max_error(out[batch.query_rows(i)].transpose(0, 1), reference, causal)
+        budget = 1e-5
+        if dtype != torch.float32:
+            budget = 1.5 * max_error(dense_same_dtype(q, k, v, causal, SCALE), reference, causal) + 1e-3
+        assert error <= budget, f"request {i} {dtype}: error {error:.3g} > budget {budget:.3g}"
 
 
 def test_a_cached_prefix_in_the_call_keeps_the_mask():
