@@ -22,6 +22,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "npu_guards",
     "server_args",
     "radix_prefix",
+    "paged_decode",
     "encoder_cache_key",
     "request_validation",
     "chunked_prefill",
