@@ -4,14 +4,14 @@
 built on it, under the names and signatures of the public checkpoints' remote code:
   * `generate` — greedy / sampled decoding with the cross-attention K/V computed once at prefill;
   * `offline_batch_generate(processor, queries)` and the queue loop `offline_generate(processor, in, out)`;
-  * `create_realtime_session(processor, ...)` -> `MossVLRealtimeSession` and its queue loop `online_generate`.
+  * `create_realtime_session(processor, ...)` and its queue loop `online_generate` (the stream itself is
+    `realtime_moss_vl`).
 Queries and the stream protocol (round markers, ``[ERROR]`` pieces, stop messages) are `queries_moss_vl`.
 """
 
 import logging
 import queue
 import threading
-import time
 from typing import Callable, Optional
 
 import torch
@@ -21,7 +21,6 @@ from .queries_moss_vl import (
     ROUND_END,
     ROUND_START,
     STOP_OFFLINE_GENERATE,
-    STOP_ONLINE_GENERATE,
     is_stop_message,
     query_messages,
 )
@@ -229,14 +228,24 @@ class MossVLGenerationMixin:
         self,
         processor,
         initial_prompt: str = "",
-        system_prompt: str = "",
+        system_prompt: Optional[str] = None,
         frame_queue_size: int = 256,
-        max_tokens_per_turn: int = 256,
+        max_tokens_per_turn: Optional[float] = None,
+        frame_window_seconds: Optional[float] = None,
         **generate_kwargs,
-    ) -> "MossVLRealtimeSession":
-        """A realtime session over a growing stream of timestamped frames (see MossVLRealtimeSession)."""
+    ):
+        """A realtime stream over frames and prompts pushed as they arrive (`realtime_moss_vl`); call `start()`."""
+        from .realtime_moss_vl import MossVLRealtimeSession
+
         return MossVLRealtimeSession(
-            self, processor, initial_prompt, system_prompt, frame_queue_size, max_tokens_per_turn, generate_kwargs
+            self,
+            processor,
+            initial_prompt=initial_prompt,
+            system_prompt=system_prompt,
+            frame_queue_size=frame_queue_size,
+            max_tokens_per_turn=max_tokens_per_turn,
+            frame_window_seconds=frame_window_seconds,
+            **generate_kwargs,
         )
 
     def online_generate(
@@ -245,164 +254,16 @@ class MossVLGenerationMixin:
         input_queue: queue.Queue,
         output_queue: queue.Queue,
         frame_queue_size: int = 256,
-        max_tokens_per_turn: int = 256,
+        max_tokens_per_turn: Optional[float] = None,
         **generate_kwargs,
     ) -> None:
-        """Queue-driven realtime loop. First message: {initial_prompt, system_prompt, ...}; then
-        {"frame": PIL image, "timestamp": s[, "prompt"]}, {"prompt": text} or
-        {"stop_online_generate": True}. Answers are put on `output_queue` as text pieces."""
-        first = input_queue.get()
-        session = self.create_realtime_session(
-            processor,
-            initial_prompt=first.get("initial_prompt", ""),
-            system_prompt=first.get("system_prompt", ""),
-            frame_queue_size=first.get("frame_queue_size", frame_queue_size),
-            max_tokens_per_turn=first.get("max_tokens_per_turn", max_tokens_per_turn),
-            **generate_kwargs,
+        """The queue-driven realtime loop (`realtime_moss_vl.online_generate`): a first settings message, then
+        frames and prompts, until {"stop_online_generate": True}; output pieces go to `output_queue`."""
+        from .realtime_moss_vl import online_generate
+
+        online_generate(
+            self, processor, input_queue, output_queue, frame_queue_size, max_tokens_per_turn, **generate_kwargs
         )
-        session.start()
-        forwarder = threading.Thread(target=session.forward_output, args=(output_queue,), daemon=True)
-        forwarder.start()
-        try:
-            while True:
-                message = input_queue.get()
-                if is_stop_message(message, STOP_ONLINE_GENERATE):
-                    break
-                if "frame" in message:
-                    session.push_frame(
-                        message["frame"],
-                        message["timestamp"],
-                        prompt=message.get("prompt"),
-                        drop_oldest=message.get("drop_oldest", True),
-                    )
-                elif message.get("prompt"):
-                    session.prompt(message["prompt"])
-        finally:
-            session.stop()
-            forwarder.join(timeout=30)
 
 
-class MossVLRealtimeSession:
-    """Realtime streaming over live frames.
-
-    Frames (with timestamps) accumulate in a bounded window; each user prompt (and the initial
-    prompt, once the first frame arrives) starts a turn that answers over the frames received so
-    far, presented as one video with their real timestamps. Output text pieces are polled with
-    `poll_output(timeout)`; `active` turns False after `stop()` once the last turn has finished,
-    or after `abort()` once the running turn has stopped decoding (prompts not yet answered are dropped)."""
-
-    def __init__(
-        self,
-        model: MossVLGenerationMixin,
-        processor,
-        initial_prompt: str,
-        system_prompt: str,
-        frame_queue_size: int,
-        max_tokens_per_turn: int,
-        generate_kwargs: dict,
-    ):
-        self.model, self.processor = model, processor
-        self.system_prompt = system_prompt
-        self.pending_prompts = [initial_prompt] if initial_prompt else []
-        self.frame_queue_size = frame_queue_size
-        self.generate_kwargs = {**generate_kwargs, "max_new_tokens": max_tokens_per_turn}
-        self.frames, self.timestamps, self.history = [], [], []
-        self.outputs: queue.Queue = queue.Queue()
-        self.events: queue.Queue = queue.Queue()
-        self.stop_event = threading.Event()
-        self.worker: Optional[threading.Thread] = None
-        self.lock = threading.Lock()
-
-    @property
-    def active(self) -> bool:
-        return self.worker is not None and self.worker.is_alive()
-
-    def start(self) -> "MossVLRealtimeSession":
-        self.worker = threading.Thread(target=self.run, daemon=True)
-        self.worker.start()
-        return self
-
-    def push_frame(self, frame, timestamp: float, prompt: Optional[str] = None, drop_oldest: bool = True) -> dict:
-        """Add a frame; returns {"dropped_oldest": bool, "pending_frames": int}."""
-        with self.lock:
-            dropped = False
-            if len(self.frames) >= self.frame_queue_size:
-                if not drop_oldest:
-                    raise ValueError(f"frame window full ({self.frame_queue_size} frames)")
-                self.frames.pop(0)
-                self.timestamps.pop(0)
-                dropped = True
-            self.frames.append(frame)
-            self.timestamps.append(float(timestamp))
-            pending = len(self.frames)
-        if prompt:
-            self.prompt(prompt)
-        elif self.pending_prompts:
-            self.events.put("turn")
-        return {"dropped_oldest": dropped, "pending_frames": pending}
-
-    def prompt(self, text: str) -> None:
-        if not text:
-            raise ValueError("empty prompt")
-        with self.lock:
-            self.pending_prompts.append(text)
-        self.events.put("turn")
-
-    def poll_output(self, timeout: float = 0.1) -> Optional[str]:
-        try:
-            return self.outputs.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def forward_output(self, output_queue: queue.Queue) -> None:
-        while self.active or not self.outputs.empty():
-            chunk = self.poll_output(0.1)
-            if chunk is not None:
-                output_queue.put(chunk)
-
-    def stop(self) -> None:
-        """End the session once every prompt already asked has been answered."""
-        self.events.put("stop")
-        if self.worker is not None:
-            self.worker.join(timeout=60)
-
-    def abort(self) -> None:
-        """End the session now: the running turn stops after its current decoding step, pending prompts are
-        dropped (nobody is left to read the answers)."""
-        with self.lock:
-            self.pending_prompts.clear()
-        self.stop_event.set()
-        self.stop()
-
-    def run(self) -> None:
-        while True:
-            event = self.events.get()
-            if event == "stop":
-                return
-            with self.lock:
-                if not self.pending_prompts or not self.frames:
-                    continue
-                prompt = self.pending_prompts.pop(0)
-                video = {"frames": list(self.frames), "timestamps": list(self.timestamps)}
-            try:
-                self.answer(prompt, video)
-            except Exception as error:  # surfaced to the client as an output line
-                logger.warning("realtime turn failed: %s", error)
-                self.outputs.put(f"{ERROR_PREFIX}{type(error).__name__}: {error}")
-
-    def answer(self, prompt: str, video: dict) -> None:
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        content = [{"type": "video", "video": video}, {"type": "text", "text": prompt}]
-        messages.append({"role": "user", "content": content})
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
-        media_kwargs = {"min_frames": 1, "max_frames": len(video["frames"])}
-        inputs = self.model.to_device(self.processor(text=text, videos=[video], media_kwargs=media_kwargs))
-        started = time.monotonic()
-        answer = self.model.stream(
-            self.processor, inputs, self.outputs, stop_event=self.stop_event, **self.generate_kwargs
-        )
-        logger.info("realtime turn: %d chars in %.2fs", len(answer), time.monotonic() - started)
-        self.history.append((prompt, answer))
-
-
-__all__ = ["MossVLGenerationMixin", "MossVLRealtimeSession"]
+__all__ = ["MossVLGenerationMixin"]

@@ -122,6 +122,45 @@ def xrope_cos_sin(
     return chosen.cos().unsqueeze(1), chosen.sin().unsqueeze(1)
 
 
+class KVBuffer:
+    """Keys and values of one attention layer, (B, Hk, N, D) each, grown along N in place.
+
+    Storage is preallocated with doubling capacity, so appending n rows copies n rows (a cache grown with
+    torch.cat copies all of it every step, which makes a long stream's step cost grow with its length).
+    `drop_front(n)` forgets the oldest n rows (the realtime frame window) without moving the others."""
+
+    def __init__(self):
+        self.keys: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+        self.start = self.end = 0
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (B, Hk, n, D) rows -> views of every row held, oldest first."""
+        count = keys.shape[2]
+        if self.keys is None or self.end + count > self.keys.shape[2]:
+            self._reallocate(max(16, 2 * (len(self) + count)), keys)
+        self.keys[:, :, self.end : self.end + count] = keys
+        self.values[:, :, self.end : self.end + count] = values
+        self.end += count
+        return self.view()
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, self.start : self.end], self.values[:, :, self.start : self.end]
+
+    def drop_front(self, count: int) -> None:
+        self.start = min(self.start + count, self.end)
+
+    def _reallocate(self, capacity: int, like: torch.Tensor) -> None:
+        shape = (*like.shape[:2], capacity, like.shape[3])
+        keys, values = like.new_empty(shape), like.new_empty(shape)
+        if self.keys is not None:
+            keys[:, :, : len(self)], values[:, :, : len(self)] = self.view()
+        self.keys, self.values, self.start, self.end = keys, values, 0, len(self)
+
+
 # ----------------------------------------------------------------------------- vision tower
 
 
@@ -369,17 +408,19 @@ class MossVLSelfAttention(MossVLProjections):
         return self.config._attn_implementation or "sdpa"
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[list]
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        cache: Optional[KVBuffer],
     ) -> torch.Tensor:
         """hidden (B, L, hidden); positions (3, B, L) MRoPE ids. mask: for eager/sdpa additive (B, 1, L, past + L),
         0 where a row may attend (causal and not padding); for FlashAttention the (B, past + L) padding mask,
-        1 = real token. cache: [] or [k, v] of earlier steps, each (B, Hk, past, D), extended in place."""
+        1 = real token. cache: the K/V of earlier steps, (B, Hk, past, D) each, extended with this step's."""
         q = self.query(hidden, positions)
         k, v = self.key_value(hidden, positions)
         if cache is not None:
-            if cache:
-                k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
-            cache[:] = [k, v]
+            k, v = cache.extend(k, v)
         attended, _ = attention_function(self.implementation)(self, q, k, v, mask, scaling=self.scaling)
         return self.output(attended)
 
@@ -430,7 +471,7 @@ class MossVLSelfAttentionDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         self_mask: Optional[torch.Tensor],
-        cache: Optional[list],
+        cache: Optional[KVBuffer],
         **_,
     ) -> torch.Tensor:
         """Pre-norm self-attention + MLP residual block; arguments as `MossVLSelfAttention.forward`."""
@@ -499,6 +540,17 @@ class XRopePositions:
     next_text: torch.Tensor
 
 
+def frame_block_positions(t0: int, eh: int, ew: int) -> tuple[torch.Tensor, int]:
+    """The XRoPE block a frame opens at position t0: (3, eh*ew + 1) positions of its vision tokens, (t0, t0 + y,
+    t0 + x) in row-major merged-grid order, then its separator (t0 + s - 1,)*3 with s = max(eh, ew) + 1; and the
+    position of the frame's own `<|image_pad|>` text token, t0 + s - 1 (the next text token takes t0 + s)."""
+    last = t0 + max(eh, ew)
+    ys = torch.arange(eh).repeat_interleave(ew)
+    xs = torch.arange(ew).repeat(eh)
+    block = torch.stack((torch.full_like(ys, t0), t0 + ys, t0 + xs))
+    return torch.cat((block, torch.full((3, 1), last)), dim=1), last
+
+
 def compute_xrope_positions(
     input_ids, attention_mask, frame_grids: list[list[tuple[int, int]]], image_token_id: int
 ) -> XRopePositions:
@@ -523,15 +575,10 @@ def compute_xrope_positions(
             if token == image_token_id:
                 eh, ew = next(frames)
                 t0 = regular + shift
-                span = max(eh, ew) + 1
-                ys = torch.arange(eh).repeat_interleave(ew)
-                xs = torch.arange(ew).repeat(eh)
-                block = torch.stack((torch.full_like(ys, t0), t0 + ys, t0 + xs))
-                vision[:, b, cursor : cursor + eh * ew] = block
-                vision[:, b, cursor + eh * ew] = t0 + span - 1
-                cursor += eh * ew + 1
-                shift += span
-                position = t0 + span - 1
+                block, position = frame_block_positions(t0, eh, ew)
+                vision[:, b, cursor : cursor + block.shape[1]] = block
+                cursor += block.shape[1]
+                shift += position + 1 - t0
             else:
                 position = regular + shift
                 regular += 1
@@ -553,7 +600,7 @@ def visible_frame_counts(cross_attention_mask: Optional[torch.Tensor], input_ids
 
 @dataclass
 class MossVLCache:
-    """Decoding state: per-layer self-attention K/V (grown each step); cross-attention K/V of the
+    """Decoding state: per-layer self-attention K/V ({layer: KVBuffer}, grown each step); cross-attention K/V of the
     encoder (computed once at prefill); the encoder's frame index per key and validity; the
     visible-frame count of the last prompt row (copied to generated rows); the next position."""
 
@@ -612,7 +659,7 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
       pixel_values (N, 3*P*P) patches of every frame, media in text order; grid_thw (M, 3) (frames, rows, cols)
       in patches per medium; media_nums_per_sample list[int] (len B): media per sample;
       cross_attention_mask (B, 1, L, F) bool, True = the row does NOT see that frame (the processor's polarity;
-      visibility is a frame prefix, see `visible_frame_counts`)."""
+      the processor builds a frame prefix; any frame set per row is honoured)."""
 
     def __init__(self, config: MossVLConfig, cross_attention_implementation: Optional[str] = None):
         super().__init__(config)
@@ -712,8 +759,10 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
         """Prefill when `past_key_values` is None (full prompt), else decode the new `input_ids`
         (attention_mask then covers past + new tokens). position_ids (3, B, L) override the
         computed text positions (used to recompute a generated continuation without a cache).
-        vision_chunked_length: frames the vision tower encodes at a time (None: all at once)."""
-        text_config = self.config.text_config
+        vision_chunked_length: frames the vision tower encodes at a time (None: all at once).
+        A prompt row attends to the frames its `cross_attention_mask` row leaves visible (any set of frames, a
+        prefix as the processor builds it or a window as a realtime stream's); a decoded row sees what the
+        prompt's last row sees."""
         batch, length = input_ids.shape
         device = input_ids.device
         if attention_mask is None:
@@ -730,8 +779,13 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
                 position_ids,
                 vision_chunked_length,
             )
-            positions, visible = cache.pop("positions"), cache.pop("visible")
+            positions, frame_visible = cache.pop("positions"), cache.pop("frame_visible")
+            cache.pop("visible")
             cache = MossVLCache(**cache)
+            sees = None
+            if cache.key_frame is not None:
+                key_frame = cache.key_frame[:, None, :].expand(-1, length, -1).clamp(max=frame_visible.shape[-1] - 1)
+                sees = frame_visible.gather(2, key_frame) & cache.key_valid[:, None, :]
         else:
             cache = past_key_values
             steps = torch.arange(length, device=device)
@@ -739,6 +793,31 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
             visible = cache.last_visible[:, None].expand(batch, length)
             cache.next_position = cache.next_position + length
             cache.attention_mask = attention_mask
+            sees = None
+            if cache.key_frame is not None:
+                sees = (cache.key_frame[:, None, :] < visible[:, :, None]) & cache.key_valid[:, None, :]
+        self_kv = cache.self_kv if use_cache else None
+        logits = self.decode_text(input_ids, positions, attention_mask, self_kv, cache.cross_kv, sees)
+        return MossVLOutput(logits=logits, past_key_values=cache if use_cache else None)
+
+    def decode_text(
+        self,
+        input_ids: torch.LongTensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        self_kv: Optional[dict],
+        cross_kv: dict,
+        sees: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """The decoder over new text rows -> logits (B, L, vocab).
+
+        input_ids (B, L) the new rows; positions (3, B, L) their MRoPE ids; attention_mask (B, past + L), 1 = real
+        token; self_kv {layer: KVBuffer} holding the past rows' K/V, extended with the new ones (None: no cache,
+        past must be 0); cross_kv {cross layer: (k, v)} the encoder K/V, (B, Hk, E, D) each; sees (B, L, E) bool,
+        True where the row attends to the encoder key (None: no encoder). A row that sees no key adds nothing in
+        the cross-attention layers."""
+        length = input_ids.shape[1]
+        device = input_ids.device
         hidden = self.model.language_model.embed_tokens(input_ids)
         dtype = hidden.dtype
         past_len = attention_mask.shape[1] - length
@@ -746,29 +825,23 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
         allowed = (torch.arange(attention_mask.shape[1], device=device)[None, :] <= query_index[:, None])[
             None
         ] & attention_mask.bool()[:, None, :]
-        dense = takes_dense_mask(text_config._attn_implementation)
+        dense = takes_dense_mask(self.config.text_config._attn_implementation)
         self_mask = additive_bias(allowed.unsqueeze(1), dtype) if dense else attention_mask
         cross_bias, row_sees_vision = None, None
-        if cache.key_frame is not None:
-            sees = (cache.key_frame[:, None, :] < visible[:, :, None]) & cache.key_valid[:, None, :]
+        if sees is not None:
             cross_bias = additive_bias(sees.unsqueeze(1), dtype)
-            row_sees_vision = (visible > 0).unsqueeze(-1).to(dtype)
+            row_sees_vision = sees.any(dim=-1, keepdim=True).to(dtype)
         for index, layer in enumerate(self.model.language_model.layers):
-            if use_cache:
-                layer_cache = cache.self_kv.setdefault(index, [])
-            else:
-                layer_cache = None
             hidden = layer(
                 hidden,
                 positions=positions,
                 self_mask=self_mask,
-                cache=layer_cache,
-                cross_kv=cache.cross_kv.get(index),
+                cache=None if self_kv is None else self_kv.setdefault(index, KVBuffer()),
+                cross_kv=cross_kv.get(index) if sees is not None else None,
                 cross_bias=cross_bias,
                 row_sees_vision=row_sees_vision,
             )
-        logits = self.lm_head(self.model.language_model.norm(hidden))
-        return MossVLOutput(logits=logits, past_key_values=cache if use_cache else None)
+        return self.lm_head(self.model.language_model.norm(hidden))
 
     def prefill_state(
         self,
@@ -803,6 +876,11 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
                 if isinstance(layer, MossVLCrossAttentionDecoderLayer):
                     cross_kv[index] = layer.cross_attn.key_value(states, vision_positions)
         visible = visible_frame_counts(cross_attention_mask, input_ids)
+        frame_visible = (
+            ~cross_attention_mask.bool().squeeze(1).to(input_ids.device)
+            if cross_attention_mask is not None
+            else torch.zeros((*input_ids.shape, 1), dtype=torch.bool, device=input_ids.device)
+        )
         return {
             "self_kv": {},
             "cross_kv": cross_kv,
@@ -815,6 +893,7 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
             "attention_mask": attention_mask,
             "positions": positions,
             "visible": visible,
+            "frame_visible": frame_visible,
         }
 
 

@@ -1,12 +1,20 @@
 """Build (or reuse) a random-weight MOSS-VL checkpoint that loads with trust_remote_code.
 
-    python -m moss_vl_reference.tiny_checkpoint [--preset tiny|tiny-mqa|bench] [--out DIR] [--seed N]
+    python -m moss_vl_reference.tiny_checkpoint [--preset tiny|tiny-mqa|tiny-realtime|bench] [--out DIR] [--seed N]
 
 Prints the checkpoint directory as the last line of stdout. The directory holds config.json
 (with auto_map), model.safetensors (float32, seeded: same seed -> byte-identical weights), a
 byte-level BPE tokenizer trained here on a small built-in corpus with the MOSS-VL special tokens,
 the processor configs and the remote-code files. A directory built from the same preset,
 seed and source files is reused.
+
+`tiny-realtime` is the tiny model as a MOSS-VL-Realtime checkpoint: the same tokenizer vocabulary and special
+tokens (`<|silence|>`, `<|round_start|>`, ...), the realtime chat template (every conversation opens with the
+default realtime system prompt) and the tiny preset's seeded weights, except that the LM head row of `<|silence|>`
+is multiplied by SILENCE_ROW_SCALE after seeding. A random model would almost never pick that one token; with its
+row scaled, its logit spreads several times wider than the others', so greedy streams pick it whenever the final
+hidden state leans its way: deterministically (same seed, same streams) and often, so short turns end in silence
+and the realtime tests see the stream park and wake. The tiny and bench presets are untouched.
 """
 
 import argparse
@@ -25,7 +33,7 @@ from safetensors.torch import save_file
 
 from .configuration_moss_vl import MossVLConfig
 from .modeling_moss_vl import MossVLForConditionalGeneration
-from .processing_moss_vl import CHAT_TEMPLATE, MossVLImageProcessor, MossVLProcessor
+from .processing_moss_vl import CHAT_TEMPLATE, REALTIME_CHAT_TEMPLATE, MossVLImageProcessor, MossVLProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +45,7 @@ REMOTE_CODE_FILES = (
     "queries_moss_vl.py",
     "generation_moss_vl.py",
     "modeling_moss_vl.py",
+    "realtime_moss_vl.py",
 )
 STAMP = "build_stamp.json"
 
@@ -133,8 +142,16 @@ PRESETS = {
 # `adjust_config_with_unaligned_cpu_tp`); on NPU the self-attention KV head is replicated instead.
 PRESETS["tiny-mqa"] = {**PRESETS["tiny"], "text": {**PRESETS["tiny"]["text"], "num_key_value_heads": 1}}
 
+# How much wider the <|silence|> logit of the tiny-realtime preset spreads than the others' (see the docstring).
+SILENCE_ROW_SCALE = 8.0
+PRESETS["tiny-realtime"] = {
+    **PRESETS["tiny"],
+    "chat_template": REALTIME_CHAT_TEMPLATE,
+    "silence_row_scale": SILENCE_ROW_SCALE,
+}
 
-def build_tokenizer(vocab_size: int):
+
+def build_tokenizer(vocab_size: int, chat_template: str = CHAT_TEMPLATE):
     """Byte-level BPE trained on CORPUS; special tokens take ids 0..len(SPECIAL_TOKENS)-1."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -157,7 +174,7 @@ def build_tokenizer(vocab_size: int):
         # Listed so `all_special_ids` covers every control token, as in real MOSS-VL tokenizers (random-text
         # generators such as sglang's bench_serving must never sample an image placeholder).
         extra_special_tokens=[token for token in SPECIAL_TOKENS if token not in named],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         padding_side="left",
     )
 
@@ -242,12 +259,16 @@ def source_fingerprint(preset_name: str, seed: int) -> str:
 
 def write_checkpoint(directory: Path, preset_name: str, seed: int) -> None:
     preset = PRESETS[preset_name]
-    tokenizer = build_tokenizer(preset["bpe_vocab"])
+    chat_template = preset.get("chat_template", CHAT_TEMPLATE)
+    tokenizer = build_tokenizer(preset["bpe_vocab"], chat_template)
     config = build_config(preset, tokenizer)
     config.save_pretrained(directory)
-    save_file(random_weights(config, seed), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    weights = random_weights(config, seed)
+    if "silence_row_scale" in preset:
+        weights["lm_head.weight"][tokenizer.convert_tokens_to_ids("<|silence|>")] *= preset["silence_row_scale"]
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     image_processor = MossVLImageProcessor(**preset["processor"])
-    processor = MossVLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    processor = MossVLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
     MossVLProcessor.register_for_auto_class("AutoProcessor")
     MossVLImageProcessor.register_for_auto_class("AutoImageProcessor")
     processor.save_pretrained(directory)

@@ -1,0 +1,331 @@
+"""The reference model's realtime stream (`realtime_moss_vl`) on the tiny-realtime checkpoint (fp32, CPU).
+
+Oracle: the model's ordinary full forward (a cold prefill) over the stream's final token sequence, with every
+frame's pixels and, per row, the frames that row may see (a prefix; with the frame window on, the frames still in
+the window when the row was written). Every token the stream chose must be the greedy pick of the cold logits of
+the row before it, and the stream's logits must equal the cold ones within 1e-5. The token formats are checked
+against literal strings written here, not the module's helpers.
+"""
+
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForCausalLM, AutoProcessor
+
+from moss_vl_reference.processing_moss_vl import DEFAULT_REALTIME_SYSTEM_PROMPT
+from moss_vl_reference.tiny_checkpoint import build_or_reuse
+
+TURN_LIMIT = 24
+WAIT = 60.0
+
+
+@pytest.fixture(scope="module")
+def realtime_checkpoint():
+    return build_or_reuse("tiny-realtime")
+
+
+@pytest.fixture(scope="module")
+def model(realtime_checkpoint):
+    return AutoModelForCausalLM.from_pretrained(
+        realtime_checkpoint, trust_remote_code=True, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def rt_processor(realtime_checkpoint):
+    return AutoProcessor.from_pretrained(realtime_checkpoint, trust_remote_code=True)
+
+
+def noise_image(seed: int, size=(64, 64)) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def frame_string(ts: float) -> str:
+    return f"<|vision_start|><|time_start|>{ts:.1f} seconds<|time_end|><|image_pad|><|vision_end|>"
+
+
+def splice_string(prompt: str) -> str:
+    return f"<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def drain_outputs(session) -> list[str]:
+    pieces = []
+    while (piece := session.poll_output(0)) is not None:
+        pieces.append(piece)
+    return pieces
+
+
+class Script:
+    """Drives a session: each action is pushed while the stream is parked, then the stream is let run until it
+    parks again. Records every image pushed (by timestamp) and the expected text segments in order."""
+
+    def __init__(self, session):
+        self.session = session
+        self.images: dict[float, Image.Image] = {}
+        self.expected: list[str] = []
+        self.parks = 0
+
+    def settle(self):
+        assert self.session.wait_until_parked(WAIT), "the stream never parked"
+        self.parks += 1
+
+    def frame(self, ts: float, seed: int):
+        self.images[ts] = noise_image(seed)
+        assert self.session.push_frame(self.images[ts], ts) is False
+        self.expected.append(frame_string(ts))
+        self.settle()
+
+    def prompt(self, text: str):
+        self.session.push_prompt(text)
+        self.expected.append(splice_string(text) + "<|silence|>")
+        self.settle()
+
+    def prompt_frame(self, text: str, ts: float, seed: int):
+        self.images[ts] = noise_image(seed)
+        assert self.session.push_prompt_frame(text, self.images[ts], ts) is False
+        self.expected.append(splice_string(text) + "<|silence|>" + frame_string(ts))
+        self.settle()
+
+    def prompts_in_one_drain(self, *texts: str):
+        with self.session.condition:  # the worker cannot drain until both are queued
+            for text in texts:
+                self.session.push_prompt(text)
+        self.expected.append("".join(splice_string(text) for text in texts) + "<|silence|>")
+        self.settle()
+
+
+def start(model, processor, **kwargs):
+    session = model.create_realtime_session(processor, max_new_tokens=TURN_LIMIT, record_logits=True, **kwargs)
+    return session.start()
+
+
+def cold_logits(model, processor, tokens: list[int], images: list[Image.Image], row_frames) -> torch.Tensor:
+    """The model's plain forward over `tokens`; row_frames(row, frames_so_far) -> visible frame indexes."""
+    ids = torch.tensor([tokens])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if images:
+        image_processor = processor.image_processor
+        patches = [image_processor.patchify_frames([image], image_processor.video_max_pixels) for image in images]
+        pad = model.config.image_token_id
+        seen = torch.cumsum(ids[0] == pad, 0).tolist()
+        mask = torch.ones(1, 1, len(tokens), len(images), dtype=torch.bool)
+        for row, count in enumerate(seen):
+            for frame in row_frames(row, count):
+                mask[0, 0, row, frame] = False
+        inputs.update(
+            pixel_values=torch.cat([p for p, _ in patches]),
+            grid_thw=torch.tensor([g for _, g in patches]),
+            media_nums_per_sample=[len(images)],
+            cross_attention_mask=mask,
+        )
+    with torch.no_grad():
+        return model(**inputs).logits[0]
+
+
+def greedy_pick(logits: torch.Tensor, tokenizer) -> int:
+    """Greedy over the tokens a realtime stream may say: no <|...|> control token but <|silence|>, no row past
+    the tokenizer's vocabulary."""
+    masked = logits.clone()
+    for token, token_id in tokenizer.get_added_vocab().items():
+        if re.fullmatch(r"<\|[^|]+\|>", token) and token != "<|silence|>":
+            masked[token_id] = float("-inf")
+    masked[len(tokenizer) :] = float("-inf")
+    return int(masked.argmax())
+
+
+def assert_stream_equals_cold(model, processor, session, images, row_frames=lambda row, count: range(count)):
+    tokens = session.stream.tokens
+    cold = cold_logits(model, processor, tokens, images, row_frames)
+    assert len(session.step_logits) >= 3
+    for row, logits in session.step_logits:
+        torch.testing.assert_close(logits, cold[row], rtol=1e-5, atol=1e-5)
+        if row + 1 < len(tokens):
+            assert tokens[row + 1] == greedy_pick(cold[row], processor.tokenizer), f"token after row {row}"
+
+
+def assert_segments_in_order(text: str, expected: list[str]):
+    opening = (
+        f"<|im_start|>system\n{DEFAULT_REALTIME_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert text.startswith(opening)
+    cursor = len(opening)
+    for segment in expected:
+        found = text.find(segment, cursor)
+        assert found >= 0, f"segment {segment!r} missing after offset {cursor}"
+        cursor = found + len(segment)
+
+
+CASES = {
+    "frames_then_prompt": lambda s: (s.frame(0.0, 1), s.frame(1.0, 2), s.frame(2.0, 3), s.prompt("What moved?")),
+    "prompt_before_any_frame": lambda s: (s.prompt("Tell me when a dot appears."), s.frame(0.5, 4), s.frame(1.5, 5)),
+    "prompts_between_frames": lambda s: (
+        s.frame(0.0, 6),
+        s.prompt("What is it?"),
+        s.frame(1.0, 7),
+        s.prompt("And now?"),
+        s.frame(2.0, 8),
+    ),
+    "subtitle_prompt_on_a_frame": lambda s: (s.frame(0.0, 9), s.prompt_frame("keep the change", 1.0, 10)),
+    "two_prompts_in_one_drain": lambda s: (s.frame(0.0, 11), s.prompts_in_one_drain("Count the dots.", "Be brief.")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_stream_equals_cold_prefill_of_its_final_sequence(model, rt_processor, case):
+    session = start(model, rt_processor)
+    script = Script(session)
+    try:
+        script.settle()
+        CASES[case](script)
+    finally:
+        session.close(timeout=WAIT)
+    assert not session.active
+    images = [script.images[ts] for ts in sorted(script.images)]
+    assert_stream_equals_cold(model, rt_processor, session, images)
+    assert_segments_in_order(rt_processor.tokenizer.decode(session.stream.tokens), script.expected)
+
+
+def test_silence_parks_the_stream_and_input_wakes_it(model, rt_processor):
+    session = start(model, rt_processor)
+    script = Script(session)
+    try:
+        script.settle()
+        before = len(session.stream.tokens)
+        assert session.parked
+        time.sleep(0.3)
+        assert len(session.stream.tokens) == before, "a parked stream appends nothing"
+        script.frame(0.0, 12)
+        script.frame(1.0, 13)
+        assert len(session.stream.tokens) > before, "a frame wakes the parked stream"
+    finally:
+        session.close(timeout=WAIT)
+    pieces = drain_outputs(session)
+    silences = pieces.count("<|silence|>")
+    assert silences >= 2, f"short turns of the tiny-realtime checkpoint end in <|silence|> ({pieces})"
+    silence_id = rt_processor.tokenizer.convert_tokens_to_ids("<|silence|>")
+    chosen = [session.stream.tokens[row + 1] for row, _ in session.step_logits if row + 1 < len(session.stream.tokens)]
+    assert silence_id in chosen, "the model itself chose <|silence|>"
+    images = [script.images[ts] for ts in sorted(script.images)]
+    assert_stream_equals_cold(model, rt_processor, session, images)
+
+
+def test_frame_window_equals_cold_prefill_without_the_evicted_frames(model, rt_processor):
+    window = 1.5
+    session = start(model, rt_processor, frame_window_seconds=window)
+    script = Script(session)
+    stamps = [0.0, 1.0, 2.0, 3.0, 4.0]
+    try:
+        script.settle()
+        for index, ts in enumerate(stamps):
+            script.frame(ts, 20 + index)
+        script.prompt("What is left?")
+    finally:
+        session.close(timeout=WAIT)
+
+    def in_window(row, count):
+        if count == 0:
+            return range(0)
+        newest = stamps[count - 1]
+        return [f for f in range(count) if stamps[f] >= newest - window]
+
+    images = [script.images[ts] for ts in stamps]
+    assert_stream_equals_cold(model, rt_processor, session, images, in_window)
+    per_frame = int((session.stream.key_frame == session.stream.key_frame[-1]).sum())
+    assert session.stream.key_frame.unique().tolist() == [3, 4]  # frames at 3.0 and 4.0 s: within 1.5 s of 4.0
+    for buffer in session.stream.cross_kv.values():
+        assert len(buffer) == 2 * per_frame, "evicted frames' K/V left every cross-attention cache"
+    decoded = rt_processor.tokenizer.decode(session.stream.tokens)
+    assert all(frame_string(ts) in decoded for ts in stamps), "the evicted frames' text stays"
+    # The oracle must tell the window apart: without it (every frame visible) the late rows differ.
+    prefix_cold = cold_logits(model, rt_processor, session.stream.tokens, images, lambda row, count: range(count))
+    last_row = session.step_logits[-1][0]
+    assert not torch.allclose(prefix_cold[last_row], session.step_logits[-1][1], atol=1e-3)
+
+
+def test_vision_tower_sees_only_new_frames(model, rt_processor):
+    calls = []
+    visual = model.model.visual
+    original = visual.forward
+
+    def counting(pixel_values, grid_thw):
+        calls.append(int(grid_thw[:, 0].sum()))
+        return original(pixel_values, grid_thw)
+
+    visual.forward = counting
+    try:
+        session = start(model, rt_processor)
+        script = Script(session)
+        try:
+            script.settle()
+            with session.condition:  # two frames in one drain: one call with both
+                session.push_frame(noise_image(30), 0.0)
+                session.push_frame(noise_image(31), 1.0)
+            script.settle()
+            script.frame(2.0, 32)
+            script.frame(3.0, 33)
+        finally:
+            session.close(timeout=WAIT)
+    finally:
+        del visual.forward
+    assert calls == [2, 1, 1]
+    assert session.stream.vision_frames_encoded == 4
+
+
+def test_turn_limit_and_rate_cap(checkpoint, processor):
+    """The plain tiny checkpoint (no silence bias) talks until the turn limit, paced by the rate cap."""
+    plain = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.float32).eval()
+    rate, limit = 40.0, 8
+    session = plain.create_realtime_session(processor, max_new_tokens=limit, max_tokens_per_turn=rate)
+    started = time.monotonic()
+    session.start()
+    try:
+        assert session.wait_until_parked(WAIT)
+        elapsed = time.monotonic() - started
+    finally:
+        session.close(timeout=WAIT)
+    generated = len(session.stream.tokens) - len(session.initial_ids())
+    assert generated == limit - 1, "the turn's last token is chosen but only appended with the next input"
+    assert elapsed >= (limit - 1) / rate, f"{limit} tokens in {elapsed:.3f}s exceed {rate} tokens/s"
+
+
+def test_parked_stream_uses_no_cpu(model, rt_processor):
+    session = start(model, rt_processor)
+    try:
+        assert session.wait_until_parked(WAIT)
+        cpu_before, wall_before = time.process_time(), time.monotonic()
+        threading.Event().wait(2.0)
+        cpu = time.process_time() - cpu_before
+        assert session.parked and time.monotonic() - wall_before >= 2.0
+    finally:
+        session.close(timeout=WAIT)
+    assert cpu < 0.05, f"parked for 2 s, the process used {cpu:.3f} s of CPU"
+
+
+def test_bad_frame_fails_its_push_and_the_stream_goes_on(model, rt_processor):
+    session = start(model, rt_processor)
+    try:
+        assert session.wait_until_parked(WAIT)
+        with pytest.raises(ValueError, match="PIL image"):
+            session.push_frame(b"not an image", 0.0)
+        with pytest.raises(ValueError, match="empty prompt"):
+            session.push_prompt("  ")
+        session.push_frame(noise_image(40), 0.0)
+        assert session.wait_until_parked(WAIT) and session.active
+    finally:
+        session.close(timeout=WAIT)
+    assert rt_processor.tokenizer.decode(session.stream.tokens).count("<|image_pad|>") == 1
+
+
+def test_full_frame_queue_drops_the_oldest_frame_without_a_prompt(model, rt_processor):
+    session = model.create_realtime_session(rt_processor, frame_queue_size=2)  # not started: frames queue up
+    assert session.push_prompt_frame("first", noise_image(50), 0.0) is False
+    assert session.push_frame(noise_image(51), 1.0) is False
+    assert session.push_frame(noise_image(52), 2.0) is True
+    assert session.pending_frames == 2
+    assert [frame.timestamp for frame, _ in session.pending.frames] == [0.0, 2.0]
