@@ -70,7 +70,7 @@ def npu_memory_stand_in(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in ("MOSSVL_NPU_ENABLE_RADIX_CACHE", "ASCEND_USE_FIA", "ASCEND_USE_FA"):
+    for name in ("MOSSVL_NPU_ENABLE_RADIX_CACHE", "ASCEND_USE_FIA", "ASCEND_USE_FA", "MOSSVL_NPU_PAGED_ATTENTION"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -158,6 +158,36 @@ def test_npu_accepts_fused_ascend_extend_env_set_off(model_dir, npu_memory_stand
     monkeypatch.setenv("ASCEND_USE_FIA", "0")
     monkeypatch.setenv("ASCEND_USE_FA", "false")
     assert resolve(model_dir, "--device", "npu").attention_backend == "ascend"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float"])
+def test_npu_refuses_fp32_at_start_up(model_dir, npu_memory_stand_in, dtype):
+    with pytest.raises(ValueError, match="float16/bfloat16 only"):
+        resolve(model_dir, "--device", "npu", "--dtype", dtype)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float16"])
+def test_npu_takes_half_dtypes_and_logs_the_choice(model_dir, npu_memory_stand_in, plugin_log, dtype):
+    resolve(model_dir, "--device", "npu", "--dtype", dtype)
+    choice = [r.getMessage() for r in plugin_log if "page size" in r.getMessage()]
+    assert choice == [f"MOSS-VL on NPU: dtype {dtype}, page size 128, gathered fused attention for one-row groups."]
+
+
+@pytest.mark.parametrize("page_size", ["1", "4", "1024"])
+def test_npu_paged_attention_refuses_a_block_size_the_op_rejects(
+    model_dir, npu_memory_stand_in, monkeypatch, page_size
+):
+    monkeypatch.setenv("MOSSVL_NPU_PAGED_ATTENTION", "1")
+    with pytest.raises(ValueError, match=f"multiple of 16 up to 512.*got {page_size}"):
+        resolve(model_dir, "--device", "npu", "--page-size", page_size)
+
+
+def test_npu_paged_attention_takes_the_default_page_size(model_dir, npu_memory_stand_in, monkeypatch, plugin_log):
+    monkeypatch.setenv("MOSSVL_NPU_PAGED_ATTENTION", "1")
+    assert resolve(model_dir, "--device", "npu").page_size == 128
+    assert any("page size 128, paged fused" in r.getMessage() for r in plugin_log)
+    monkeypatch.delenv("MOSSVL_NPU_PAGED_ATTENTION")
+    assert resolve(model_dir, "--device", "npu", "--page-size", "1").page_size == 1  # the gathered path takes any
 
 
 def test_cpu_defaults_to_torch_native(model_dir):

@@ -17,6 +17,11 @@ logger = logging.getLogger(__name__)
 
 RADIX_OPT_IN_ENV = "MOSSVL_NPU_ENABLE_RADIX_CACHE"
 FORBIDDEN_ASCEND_ENVS = ("ASCEND_USE_FIA", "ASCEND_USE_FA")
+PAGED_ATTENTION_ENV = "MOSSVL_NPU_PAGED_ATTENTION"
+# torch_npu's fused attention and the ATB KV-cache write take fp16/bf16 only (no fp32 kernels).
+NPU_DTYPES = ("auto", "half", "float16", "bfloat16")
+# The paged fused-attention call on one-row groups: the block size must be a non-zero multiple of 16, at most 512.
+NPU_PAGED_BLOCK_ALIGN, NPU_PAGED_BLOCK_MAX = 16, 512
 
 
 def _is_stock_moss_vl_provider(fn: Callable) -> bool:
@@ -42,6 +47,28 @@ def _refuse_fused_ascend_extend() -> None:
         )
 
 
+def _refuse_what_the_npu_kernels_reject(dtype: str, page_size: int) -> None:
+    """Fail at start-up, not in the first forward, on a dtype or page size the Ascend kernels reject."""
+    if dtype not in NPU_DTYPES:
+        raise ValueError(
+            f"MOSS-VL on NPU cannot run with --dtype {dtype}: the Ascend fused attention op and the KV-cache "
+            "write take float16/bfloat16 only. Use --dtype bfloat16 (or float16, or auto)."
+        )
+    paged = os.environ.get(PAGED_ATTENTION_ENV) == "1"
+    if paged and (page_size % NPU_PAGED_BLOCK_ALIGN or not 0 < page_size <= NPU_PAGED_BLOCK_MAX):
+        raise ValueError(
+            f"MOSS-VL on NPU with {PAGED_ATTENTION_ENV}=1 needs --page-size a multiple of {NPU_PAGED_BLOCK_ALIGN} "
+            f"up to {NPU_PAGED_BLOCK_MAX} (the paged fused-attention block size); got {page_size}. The default 128 "
+            f"works, or unset {PAGED_ATTENTION_ENV}."
+        )
+    logger.info(
+        "MOSS-VL on NPU: dtype %s, page size %d, %s attention for one-row groups.",
+        dtype,
+        page_size,
+        "paged fused" if paged else "gathered fused",
+    )
+
+
 def npu_declarations(server_args: Any) -> Dict[str, Any]:
     """MOSS-VL field declarations for ``--device npu`` (reads raw user input and current view)."""
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
@@ -49,6 +76,7 @@ def npu_declarations(server_args: Any) -> Dict[str, Any]:
 
     _refuse_fused_ascend_extend()
     cfg = resolving_view(server_args)
+    _refuse_what_the_npu_kernels_reject(cfg.dtype, cfg.page_size)
     # Raw record fields are what the user typed; the view already carries the stock NPU
     # defaults, which replace explicit choices.
     base = server_args.attention_backend or "ascend"
@@ -143,7 +171,10 @@ PATCHES = (
             f"measured ~20 % non-deterministic greedy outputs with retained encoder pages; `{RADIX_OPT_IN_ENV}=1` "
             "keeps it); decode graphs are forced off (the Ascend graph decode path ignores the encoder); start-up "
             "is refused when `ASCEND_USE_FIA`/`ASCEND_USE_FA` are set (those extend paths ignore the encoder "
-            "prefix). On `cpu`: `torch_native` unless the user chose a backend. On both, with the radix cache on or "
+            "prefix), with `--dtype float32` (the fused attention op and the ATB KV write take fp16/bf16 only), and, "
+            f"with `{PAGED_ATTENTION_ENV}=1`, with a page size that is not a multiple of 16 up to 512 (the paged "
+            "op's block-size rule); one line logs the dtype, page size and one-row attention path chosen. On "
+            "`cpu`: `torch_native` unless the user chose a backend. On both, with the radix cache on or "
             "off, chunked prefill stays on: stock `handle_model_capability_adjustments` forces `chunked_prefill_size = "
             "-1` for MOSS-VL because a cut could split the encoder span, which `chunked_prefill` prevents; the "
             "resolution's memoized `ModelConfig` is marked as supporting it before that stock check runs, so "
