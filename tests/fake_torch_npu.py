@@ -18,6 +18,7 @@ Use :func:`installed_fake_torch_npu` (a context manager) so the stand-in lives i
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.machinery
 import sys
 import types
@@ -29,15 +30,53 @@ import torch
 _MODULES_BOUND_TO_FAKE = ("sglang.srt.hardware_backend.npu.attention.ascend_backend",)
 
 
-def _npu_reshape_and_cache(*, key, value, key_cache, value_cache, slot_indices):
-    """Reference for the ATB paged KV write: token t goes to page slot // page_size, row slot % page_size.
+# Dtypes the ops take on Atlas A2/A3 (910B) without quantisation arguments: FIA's query is float16 or bfloat16 only
+# (torch_npu FIA page, parameter "query"); ATB ReshapeAndCache takes float16, bfloat16 or int8, one dtype for all
+# four tensors (ATB ReshapeAndCacheOperation page, input table).
+_FIA_DTYPES = (torch.float16, torch.bfloat16)
+_RESHAPE_AND_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
+# The "optimised" causal mask that sparse_mode 2/3/4 take (FIA page, sparse_mode; Q_S > 1 constraints): S = 2048.
+COMPRESSED_MASK_SIZE = 2048
+_INT_MAX = 2147483647
 
-    key/value ``[num_tokens, num_heads, head_dim]``; key/value_cache
-    ``[num_pages, page_size, num_heads, head_dim]``; slot_indices int ``[num_tokens]``.
+
+class RefusedByNpu(RuntimeError):
+    """What the real op raises for an input its documentation rules out (the message names the rule)."""
+
+
+def _npu_reshape_and_cache(*, key, value, key_cache, value_cache, slot_indices, dtypes=_RESHAPE_AND_CACHE_DTYPES):
+    """STAND-IN for ``torch_npu._npu_reshape_and_cache``, written from the CANN ATB API reference,
+    "ReshapeAndCacheOperation" (8.0.RC2.2): token t is written to row ``slot % block_size`` of block
+    ``slot // block_size``.
+
+    key/value ``[num_tokens, num_heads, head_dim]``; key/value_cache ``[num_blocks, block_size, num_heads,
+    head_dim]``; slot_indices int32 ``[num_tokens]`` (slotMapping). Refuses (RefusedByNpu) a dtype outside
+    float16 / bfloat16 / int8 (no float32) or the four tensors not sharing one, slots that are not int32 or not
+    one per token, head shapes that differ from the cache's, and a slot outside the cache. ``dtypes`` widens the
+    accepted set for a caller that asks for it (:func:`installed_fake_torch_npu`).
     """
+    tensors = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache}
+    for name, tensor in tensors.items():
+        if tensor.dtype not in dtypes:
+            raise RefusedByNpu(f"ReshapeAndCache: {name} is {tensor.dtype}; it takes {dtypes}")
+    if len({tensor.dtype for tensor in tensors.values()}) != 1:
+        raise RefusedByNpu(
+            f"ReshapeAndCache: one dtype for all four tensors, got {[t.dtype for t in tensors.values()]}"
+        )
+    if slot_indices.dtype != torch.int32 or slot_indices.shape != (key.shape[0],):
+        raise RefusedByNpu(
+            f"ReshapeAndCache: slotMapping must be int32 [num_tokens], got {slot_indices.dtype} "
+            f"{tuple(slot_indices.shape)} for {key.shape[0]} tokens"
+        )
+    for name, tensor, cache in (("key", key, key_cache), ("value", value, value_cache)):
+        if tensor.dim() != 3 or cache.dim() != 4 or tensor.shape[1:] != cache.shape[2:]:
+            raise RefusedByNpu(f"ReshapeAndCache: {name} {tuple(tensor.shape)} does not fit cache {tuple(cache.shape)}")
     slots = slot_indices.long()
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = key.to(key_cache.dtype)
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = value.to(value_cache.dtype)
+    capacity = key_cache.shape[0] * key_cache.shape[1]
+    if slots.numel() and not bool(((slots >= 0) & (slots < capacity)).all()):
+        raise RefusedByNpu(f"ReshapeAndCache: a slot outside the cache's {capacity} slots")
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value
 
 
 def _npu_fused_infer_attention_score(
@@ -46,67 +85,209 @@ def _npu_fused_infer_attention_score(
     value,
     *,
     atten_mask=None,
+    actual_seq_lengths=None,
     actual_seq_lengths_kv=None,
     block_table=None,
     block_size=0,
     num_heads=1,
     num_key_value_heads=0,
     scale=1.0,
+    pre_tokens=_INT_MAX,
+    next_tokens=_INT_MAX,
     input_layout="BSH",
+    sparse_mode=0,
+    inner_precise=0,
     softmax_lse_flag=False,
     **unsupported,
 ):
-    """STAND-IN for the documented FIA op, the subset the attention core uses (pure torch, fp32 math).
+    """STAND-IN for ``torch_npu.npu_fused_infer_attention_score`` (FIA), written from the torch_npu API reference
+    page of that name (Ascend/op-plugin ``docs/context/torch_npu-npu_fused_infer_attention_score.md``: sections
+    参数说明 (parameters), 输出说明 (outputs), 约束说明 (constraints: "当Q_S大于1时" / "当Q_S等于1时", page attention).
+    Pure torch, fp32 math, output in the query's dtype. Subset: ``input_layout="BNSD"``; other keywords raise
+    NotImplementedError naming them.
 
-    - ``input_layout="BNSD"`` only: query ``[B, N, S, D]``; key/value ``[B, N_kv, S_kv, D]``, or, with
-      ``block_table`` (int32 ``[B, max_blocks]``) and ``block_size``, a paged cache ``[num_blocks, block_size,
-      N_kv * D]`` read in place: batch b's key position j is row ``j % block_size`` of block
-      ``block_table[b, j // block_size]``.
-    - ``num_key_value_heads`` (0 = ``num_heads``): query head h reads KV head ``h // (num_heads / N_kv)``.
-    - ``actual_seq_lengths_kv``: per batch entry, keys at positions >= it are not attended.
-    - ``atten_mask``: bool/int8/uint8 broadcastable to ``[B, 1, S, S_kv]``, **1/True = masked out**.
-    - ``scale`` multiplies ``q k^T``.
-    - returns ``(out [B, N, S, D] in query's dtype, softmax_lse)``; ``softmax_lse`` is fp32 ``[B, N, S, 1]``
-      (log-sum-exp of the scaled, masked logits) when ``softmax_lse_flag`` else an empty tensor. The reference
-      does not say what a row with no attended key yields: the stand-in returns output 0 and lse +inf, a value
-      callers must not use.
-    Any other keyword raises NotImplementedError naming it.
+    - query ``[B, N, Q_S, D]``, key/value ``[B, KV_N, KV_S, D]`` (identical shapes), float16 / bfloat16 only, all
+      one dtype, contiguous; ``num_heads`` = N; ``num_key_value_heads`` (0 = N) divides N with N / KV_N <= 64;
+      N <= 256, D <= 512, and D 16-aligned when Q_S > 1.
+    - paged (``block_table`` int32 ``[B, >= maxBlockNumPerSeq]``, non-empty, with ``block_size`` and the required
+      ``actual_seq_lengths_kv``): key/value are the cache ``[num_blocks, block_size, KV_N * D]``; batch b's key
+      position j is row ``j % block_size`` of block ``block_table[b, j // block_size]``. block_size: Q_S = 1 a
+      non-zero multiple of 16 up to 512; Q_S > 1 a multiple of 128 in [128, 512]. KV_S = table width x block_size.
+    - ``actual_seq_lengths`` (per batch query rows; ignored when Q_S = 1) and ``actual_seq_lengths_kv`` (per batch
+      keys): one value for every batch, or the first B of a longer list; each <= the padded S. Rows past a batch's
+      query length are padding: the stand-in returns NaN there, a value callers must not use.
+    - ``atten_mask`` bool/int8/uint8 (int values 0/1), contiguous, **1/True = masked out**. Q_S = 1: ``(B, KV_S)``,
+      ``(B, 1, KV_S)`` or ``(B, 1, 1, KV_S)``, sparse_mode ignored. Q_S > 1 by ``sparse_mode``: 0 = the full mask
+      ``(Q_S, KV_S)``, ``(B|1, Q_S, KV_S)`` or ``(B|1, 1, Q_S, KV_S)`` (or none), keeping keys j with
+      ``i - pre_tokens <= j <= i + next_tokens``; 1 = the full mask (required), pre/next_tokens ignored; 2
+      (leftUpCausal, j <= i) and 3 (rightDownCausal, j <= i + KV_len - Q_len per batch) take the compressed
+      2048 x 2048 mask (True above the diagonal), pre/next_tokens ignored; 4 (band) is not modelled.
+    - returns ``(attention_out [B, N, Q_S, D], softmax_lse)``: the LSE is fp32 ``[B, N, Q_S, 1]``, natural log of the
+      sum of exp of the scaled, masked logits, when ``softmax_lse_flag``, else the documented ``[1]`` zero tensor.
+      Empty keys (KV_S = 0) give a zero output (documented); a row with no attended key is not specified by the
+      documentation: NaN output and LSE here.
     """
     if unsupported:
         raise NotImplementedError(f"stand-in npu_fused_infer_attention_score: unsupported {sorted(unsupported)}")
     if input_layout != "BNSD":
         raise NotImplementedError(f"stand-in npu_fused_infer_attention_score: layout {input_layout}")
-    if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
-        raise ValueError("npu_fused_infer_attention_score does not take non-contiguous tensors")
+    if inner_precise not in (0, 1, 2, 3):
+        raise RefusedByNpu(f"FIA: inner_precise {inner_precise} (0-3)")
+    _refuse_fia_tensors(query, key, value, atten_mask)
     batch, heads, rows, dim = query.shape
-    if heads != num_heads:
-        raise ValueError(f"num_heads {num_heads} but query has {heads} heads")
     kv_heads = num_key_value_heads or num_heads
-    if block_table is not None:
-        positions = torch.arange(block_table.shape[1] * block_size)
-        blocks = block_table.long()[:, positions // block_size]  # [B, S_kv]
-        key = key[blocks, positions % block_size].view(batch, -1, kv_heads, dim).transpose(1, 2)
-        value = value[blocks, positions % block_size].view(batch, -1, kv_heads, value.shape[-1] // kv_heads)
-        value = value.transpose(1, 2)
-    if key.shape[1] != kv_heads:
-        raise ValueError(f"num_key_value_heads {kv_heads} but key has {key.shape[1]} heads")
-    group = heads // kv_heads
+    _refuse_fia_heads(heads, num_heads, kv_heads, rows, dim)
+    if block_table is None:
+        if key.shape != value.shape or key.dim() != 4 or key.shape[0] != batch or key.shape[3] != dim:
+            raise RefusedByNpu(f"FIA: key {tuple(key.shape)} and value {tuple(value.shape)} must be identical BNSD")
+        if key.shape[1] != kv_heads:
+            raise RefusedByNpu(f"FIA: num_key_value_heads {kv_heads} but key has {key.shape[1]} heads")
+    else:
+        key, value = _paged_keys(key, value, block_table, block_size, actual_seq_lengths_kv, batch, rows, kv_heads, dim)
     keys = key.shape[2]
+    query_lens = _per_batch(actual_seq_lengths if rows > 1 else None, batch, rows, "actual_seq_lengths")
+    key_lens = _per_batch(actual_seq_lengths_kv, batch, keys, "actual_seq_lengths_kv")
+    attended = _attended(atten_mask, sparse_mode, pre_tokens, next_tokens, batch, rows, keys, query_lens, key_lens)
+    group = heads // kv_heads
     logits = torch.einsum("bnsd,bnkd->bnsk", query.float(), key.float().repeat_interleave(group, 1)) * scale
-    attended = torch.ones(batch, 1, rows, keys, dtype=torch.bool)
-    if actual_seq_lengths_kv is not None:
-        lengths = torch.as_tensor(actual_seq_lengths_kv).reshape(batch, 1, 1, 1)
-        attended = attended & (torch.arange(keys).reshape(1, 1, 1, keys) < lengths)
-    if atten_mask is not None:
-        attended = attended & (atten_mask == 0)
     logits = logits.masked_fill(~attended, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    blind = ~attended.any(dim=-1, keepdim=True)
-    probs = torch.exp(logits - lse.masked_fill(blind, 0.0))
+    probs = torch.exp(logits - lse)
     out = torch.einsum("bnsk,bnkd->bnsd", probs, value.float().repeat_interleave(group, 1))
-    out = out.masked_fill(blind, 0.0).to(query.dtype)
-    lse = lse.masked_fill(blind.expand_as(lse), float("inf"))
-    return out, (lse if softmax_lse_flag else torch.empty(0))
+    unspecified = ~attended.any(dim=-1, keepdim=True)  # rows that see no key, padding rows included
+    if keys == 0:
+        out = torch.zeros_like(out)
+    out = out.masked_fill(unspecified & (keys > 0), float("nan")).to(query.dtype)
+    lse = lse.masked_fill(unspecified, float("nan"))
+    return out, (lse if softmax_lse_flag else torch.zeros(1))
+
+
+def _refuse_fia_tensors(query, key, value, atten_mask):
+    """Dtypes and contiguity (FIA page, parameters query / key / value / atten_mask)."""
+    if query.dtype not in _FIA_DTYPES:
+        raise RefusedByNpu(f"FIA: query is {query.dtype}; Atlas A2/A3 take float16 or bfloat16")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise RefusedByNpu(
+            f"FIA: key {key.dtype} / value {value.dtype} differ from query {query.dtype} (no quant args)"
+        )
+    tensors = {"query": query, "key": key, "value": value, "atten_mask": atten_mask}
+    for name, tensor in tensors.items():
+        if tensor is not None and not tensor.is_contiguous():
+            raise RefusedByNpu(f"FIA: {name} is non-contiguous (non-contiguous tensors not supported)")
+    if atten_mask is not None:
+        if atten_mask.dtype not in (torch.bool, torch.int8, torch.uint8):
+            raise RefusedByNpu(f"FIA: atten_mask is {atten_mask.dtype}; it takes bool, int8 or uint8")
+        if atten_mask.dtype != torch.bool and not bool(((atten_mask == 0) | (atten_mask == 1)).all()):
+            raise RefusedByNpu("FIA: int8/uint8 atten_mask values must be 0 or 1")
+
+
+def _refuse_fia_heads(heads, num_heads, kv_heads, rows, dim):
+    """num_heads / num_key_value_heads and the N, D limits (FIA page, parameters and the Q_S constraints)."""
+    if heads != num_heads:
+        raise RefusedByNpu(f"FIA: num_heads {num_heads} but query has {heads} heads (BNSD)")
+    if heads % kv_heads or heads // kv_heads > 64:
+        raise RefusedByNpu(f"FIA: num_heads {heads} / num_key_value_heads {kv_heads}: must divide, ratio <= 64")
+    if heads > 256 or dim > 512:
+        raise RefusedByNpu(f"FIA: N {heads} (<= 256), D {dim} (<= 512)")
+    if rows > 1 and dim % 16:
+        raise RefusedByNpu(f"FIA: Q_S > 1 with float16/bfloat16 needs D 16-aligned, got {dim}")
+
+
+def _paged_keys(k_cache, v_cache, block_table, block_size, kv_lengths, batch, rows, kv_heads, dim):
+    """Key/value ``[B, KV_N, KV_S, D]`` read through the block table (FIA page, page attention constraints)."""
+    if kv_lengths is None:
+        raise RefusedByNpu("FIA: page attention requires actual_seq_lengths_kv")
+    if rows == 1 and not (0 < block_size <= 512 and block_size % 16 == 0):
+        raise RefusedByNpu(
+            f"FIA: Q_S = 1 page attention, float16/bfloat16: block_size 16-aligned, <= 512, got {block_size}"
+        )
+    if rows > 1 and not (128 <= block_size <= 512 and block_size % 128 == 0):
+        raise RefusedByNpu(f"FIA: Q_S > 1 page attention: block_size a multiple of 128 in [128, 512], got {block_size}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise RefusedByNpu(
+            f"FIA: block_table must be int32 [B, blocks], got {block_table.dtype} {tuple(block_table.shape)}"
+        )
+    lengths = _per_batch(kv_lengths, batch, _INT_MAX, "actual_seq_lengths_kv")  # bounded by the table below
+    blocks_needed = [-(-length // block_size) for length in lengths]
+    if block_table.shape[1] == 0 or block_table.shape[1] < max(blocks_needed):
+        raise RefusedByNpu(f"FIA: block_table width {block_table.shape[1]} (non-empty, >= {max(blocks_needed)} blocks)")
+    if k_cache.dim() != 3:
+        raise NotImplementedError("stand-in FIA: only the (blocknum, blocksize, H) cache layout is modelled")
+    if k_cache.shape != v_cache.shape or k_cache.shape[1:] != (block_size, kv_heads * dim):
+        raise RefusedByNpu(
+            f"FIA: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must both be "
+            f"(blocknum, {block_size}, {kv_heads * dim})"
+        )
+    if kv_heads * dim > 65535 or k_cache.numel() > _INT_MAX:
+        raise RefusedByNpu("FIA: KV_N * D <= 65535 and each cache's numel within int32")
+    if k_cache.shape[0] < sum(blocks_needed):
+        raise RefusedByNpu(f"FIA: blocknum {k_cache.shape[0]} < the {sum(blocks_needed)} blocks the lengths need")
+    positions = torch.arange(block_table.shape[1] * block_size)
+    blocks = block_table.long()[:, positions // block_size]  # [B, KV_S]
+    key = k_cache[blocks, positions % block_size].view(batch, -1, kv_heads, dim).transpose(1, 2)
+    value = v_cache[blocks, positions % block_size].view(batch, -1, kv_heads, dim).transpose(1, 2)
+    return key, value
+
+
+def _per_batch(lengths, batch, padded, name):
+    """Per batch lengths: None = the padded S, one value for all, or the first B of a longer list."""
+    if lengths is None:
+        return [padded] * batch
+    lengths = [int(length) for length in lengths]
+    if len(lengths) == 1:
+        lengths = lengths * batch
+    if len(lengths) < batch or any(not 0 <= length <= padded for length in lengths[:batch]):
+        raise RefusedByNpu(f"FIA: {name} {lengths} for batch {batch}, each in [0, {padded}]")
+    return lengths[:batch]
+
+
+def _attended(mask, sparse_mode, pre_tokens, next_tokens, batch, rows, keys, query_lens, key_lens):
+    """Bool ``[B, 1, Q_S, KV_S]``, True where the op computes the (row, key) pair."""
+    row = torch.arange(rows).view(1, 1, rows, 1)
+    col = torch.arange(keys).view(1, 1, 1, keys)
+    q_len = torch.tensor(query_lens).view(batch, 1, 1, 1)
+    kv_len = torch.tensor(key_lens).view(batch, 1, 1, 1)
+    attended = (row < q_len) & (col < kv_len)
+    if rows == 1:  # IncreFlashAttention: sparse_mode and pre/next_tokens have no effect
+        shapes = [(batch, keys), (batch, 1, keys), (batch, 1, 1, keys)]
+        return attended & _kept_by(mask, shapes, batch, rows, keys)
+    if sparse_mode not in (0, 1, 2, 3, 4):
+        raise RefusedByNpu(f"FIA: Q_S > 1 supports sparse_mode 0-4, got {sparse_mode}")
+    if sparse_mode == 4:
+        raise NotImplementedError("stand-in FIA: sparse_mode 4 (band) is not modelled")
+    if sparse_mode in (2, 3):
+        _refuse_unless_compressed_causal(mask, sparse_mode)
+        limit = row if sparse_mode == 2 else row + kv_len - q_len
+        return attended & (col <= limit)
+    if sparse_mode == 1 and mask is None:
+        raise RefusedByNpu("FIA: sparse_mode 1 (allMask) requires the full atten_mask")
+    full = [(rows, keys), (batch, rows, keys), (1, rows, keys), (batch, 1, rows, keys), (1, 1, rows, keys)]
+    attended = attended & _kept_by(mask, full, batch, rows, keys)
+    if sparse_mode == 0 and mask is not None:
+        attended = attended & (col >= row - pre_tokens) & (col <= row + next_tokens)
+    return attended
+
+
+def _kept_by(mask, shapes, batch, rows, keys):
+    """The pairs a user mask keeps (False = keep, 1/True = masked out), broadcast to ``[B|1, 1, Q_S, KV_S]``."""
+    if mask is None:
+        return torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    if tuple(mask.shape) not in {tuple(shape) for shape in shapes}:
+        raise RefusedByNpu(f"FIA: atten_mask shape {tuple(mask.shape)} is not one of {shapes}")
+    leading = mask.shape[0] if mask.dim() > 2 or rows == 1 else 1
+    return (mask == 0).reshape(leading, 1, rows, keys)
+
+
+def _refuse_unless_compressed_causal(mask, sparse_mode):
+    """sparse_mode 2/3 take the optimised 2048 x 2048 mask (shape (S, S), (1, S, S) or (1, 1, S, S)), which the
+    caller must make lower-triangular: True (masked out) exactly above the diagonal."""
+    size = COMPRESSED_MASK_SIZE
+    if mask is None or tuple(mask.shape) not in {(size, size), (1, size, size), (1, 1, size, size)}:
+        shape = None if mask is None else tuple(mask.shape)
+        raise RefusedByNpu(f"FIA: sparse_mode {sparse_mode} needs the compressed {size} x {size} mask, got {shape}")
+    expected = torch.ones(size, size, dtype=torch.bool).triu_(1)
+    if not torch.equal(mask.reshape(size, size) != 0, expected):
+        raise RefusedByNpu(f"FIA: sparse_mode {sparse_mode} mask must be True exactly above the diagonal")
 
 
 class _FakeTorchNpu(types.ModuleType):
@@ -155,12 +336,18 @@ def build_fake_modules() -> dict[str, types.ModuleType]:
 
 
 @contextlib.contextmanager
-def installed_fake_torch_npu():
+def installed_fake_torch_npu(*, float32_kv_cache: bool = True):
     """Install the stand-in into ``sys.modules``; restore the previous state on exit.
 
-    Yields the fake ``torch_npu`` module.
+    Yields the fake ``torch_npu`` module. ``float32_kv_cache``: let ReshapeAndCache write float32 pools, which a
+    910B refuses; on by default because tests/test_ascend_backend.py checks its route against the fp32 reference
+    through a float32 NPU pool. Tests of the NPU ops themselves pass False.
     """
     fakes = build_fake_modules()
+    if float32_kv_cache:
+        fakes["torch_npu"]._npu_reshape_and_cache = functools.partial(
+            _npu_reshape_and_cache, dtypes=(*_RESHAPE_AND_CACHE_DTYPES, torch.float32)
+        )
     touched = tuple(fakes) + _MODULES_BOUND_TO_FAKE
     saved = {name: sys.modules[name] for name in touched if name in sys.modules}
     for name in _MODULES_BOUND_TO_FAKE:
