@@ -290,6 +290,181 @@ def _refuse_unless_compressed_causal(mask, sparse_mode):
         raise RefusedByNpu(f"FIA: sparse_mode {sparse_mode} mask must be True exactly above the diagonal")
 
 
+# ---- STAND-INs for the torch_npu ops that stock sglang's forward_npu branches call on the MOSS-VL route (norms,
+# activation, vision rotary, vision attention, sampler). Each is written from the torch_npu API reference page its
+# docstring cites, computes in fp32 (fp64 for an fp64 oracle is the tests' job) and refuses what the page excludes.
+
+_NPU_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_NPU_HALVES = (torch.float16, torch.bfloat16)
+
+
+def _require(condition: bool, op: str, what: str):
+    if not condition:
+        raise ValueError(f"stand-in torch_npu.{op}: {what}")
+
+
+def _rms_normalized(x: torch.Tensor, gamma: torch.Tensor, epsilon: float):
+    """(x / Rms(x) * gamma in x's dtype, 1 / Rms(x) fp32 keepdim) with Rms over the last dim, in fp32."""
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    return (x32 * rstd * gamma.float()).to(x.dtype), rstd
+
+
+def _npu_rms_norm(x, gamma, epsilon=1e-6):
+    """STAND-IN ``torch_npu.npu_rms_norm(self, gamma, epsilon=1e-06) -> (y, rstd)``.
+
+    Source: Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_rms_norm.md`` (参数说明, 返回值说明, 约束说明):
+    self fp16/bf16/fp32 with 2-8 dims; gamma the same dtype, normally self's last dim;
+    y = x / Rms(x) * g with Rms(x) = sqrt(mean(x^2) + eps); the second output is 1 / Rms(x) (fp32: the RmsNorm
+    registration on hiascend's ``PT_LMTMOG_000112`` page declares rstd DT_FLOAT for every input dtype).
+    """
+    _require(x.dtype in _NPU_FLOATS, "npu_rms_norm", f"self dtype {x.dtype}")
+    _require(2 <= x.dim() <= 8, "npu_rms_norm", f"self has {x.dim()} dims, the op takes 2-8")
+    _require(gamma.dtype == x.dtype, "npu_rms_norm", f"gamma dtype {gamma.dtype} differs from self {x.dtype}")
+    _require(gamma.shape[-1] == x.shape[-1], "npu_rms_norm", f"gamma {tuple(gamma.shape)} vs self {tuple(x.shape)}")
+    return _rms_normalized(x, gamma, epsilon)
+
+
+def _npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    """STAND-IN ``torch_npu.npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06) -> (y, rstd, x)``.
+
+    Sources: the AddRmsNorm formula of hicann/ops-nn ``norm/add_rms_norm_quant_v2/docs/aclnnAddRmsNormQuantV2.md``
+    (功能描述: x = x1 + x2, then RmsNorm of x) and mindspore ``ops.add_rms_norm`` (the same Ascend kernel: x1, x2,
+    gamma fp16/bf16/fp32, one dtype). Outputs: y (x1's dtype), rstd (fp32), and the sum x rounded to x1's dtype,
+    which is what the next layer receives as its residual.
+    """
+    _require(x1.dtype in _NPU_FLOATS, "npu_add_rms_norm", f"x1 dtype {x1.dtype}")
+    _require(x2.dtype == x1.dtype == gamma.dtype, "npu_add_rms_norm", f"dtypes {x1.dtype}/{x2.dtype}/{gamma.dtype}")
+    _require(x1.shape == x2.shape, "npu_add_rms_norm", f"x1 {tuple(x1.shape)} vs x2 {tuple(x2.shape)}")
+    total = (x1.float() + x2.float()).to(x1.dtype)
+    y, rstd = _rms_normalized(total, gamma, epsilon)
+    return y, rstd, total
+
+
+def _npu_swiglu(x, dim=-1):
+    """STAND-IN ``torch_npu.npu_swiglu(input, dim=-1) -> Tensor``.
+
+    Source: Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_swiglu.md`` (计算公式, 参数说明): input split in
+    halves A, B along ``dim``; out = A * sigmoid(A) * B; input 1-8 dims, fp32/fp16/bf16, ``dim`` even-sized,
+    no non-contiguous and no empty tensor; out has input's dtype.
+    """
+    _require(x.dtype in _NPU_FLOATS, "npu_swiglu", f"input dtype {x.dtype}")
+    _require(1 <= x.dim() <= 8 and x.numel() > 0, "npu_swiglu", f"input shape {tuple(x.shape)}")
+    _require(x.is_contiguous(), "npu_swiglu", "non-contiguous input")
+    _require(x.shape[dim] % 2 == 0, "npu_swiglu", f"dim {dim} of {tuple(x.shape)} is odd")
+    a, b = x.float().chunk(2, dim=dim)
+    return (a * torch.sigmoid(a) * b).to(x.dtype)
+
+
+def _npu_rotary_mul(x, r1, r2, rotary_mode="half"):
+    """STAND-IN ``torch_npu.npu_rotary_mul(input, r1, r2, rotary_mode='half') -> Tensor``.
+
+    Source: Ascend/op-plugin ``docs/context/torch_npu-npu_rotary_mul.md`` (功能说明, 参数说明, 约束说明):
+    output = r1 * input + r2 * rotate(input), rotate = concat(-x2, x1) of input's halves ('half') or of its even/odd
+    lanes re-interleaved ('interleave'); input, r1, r2 4-D fp16/bf16/fp32; output input's shape and dtype; BSND
+    input with r1/r2 shaped 1S1D, BS1D or BSND (half mode), D even and < 896, B and N < 1000. The kernel's aclnn page
+    (repo-mirror-test/ops-transformer ``posembedding/rotary_position_embedding/docs/aclnnRotaryPositionEmbedding.md``,
+    parameter table and 约束说明) adds: cos and sin of x's dtype ("与x数据类型一致") and of one shape.
+    """
+    op = "npu_rotary_mul"
+    _require(rotary_mode in ("half", "interleave"), op, f"rotary_mode {rotary_mode!r}")
+    _require(x.dim() == r1.dim() == r2.dim() == 4, op, f"dims {x.dim()}/{r1.dim()}/{r2.dim()}, all must be 4")
+    _require(x.dtype in _NPU_FLOATS, op, f"input dtype {x.dtype}")
+    _require(r1.dtype == r2.dtype == x.dtype, op, f"r1/r2 dtypes {r1.dtype}/{r2.dtype} differ from input {x.dtype}")
+    _require(r1.shape == r2.shape, op, f"r1 {tuple(r1.shape)} and r2 {tuple(r2.shape)} differ")
+    batch, seq, heads, dim = x.shape
+    _require(dim % 2 == 0 and dim < 896 and batch < 1000 and heads < 1000, op, f"BSND input {tuple(x.shape)}")
+    for name, r in (("r1", r1), ("r2", r2)):
+        _require(r.shape[1] == seq and r.shape[3] == dim, op, f"{name} {tuple(r.shape)} vs input {tuple(x.shape)}")
+        _require(r.shape[0] in (1, batch) and r.shape[2] in (1, heads), op, f"{name} layout {tuple(r.shape)}")
+    x32 = x.float()
+    if rotary_mode == "half":
+        first, second = x32.chunk(2, dim=-1)
+        rotated = torch.cat((-second, first), dim=-1)
+    else:
+        rotated = torch.stack((-x32[..., 1::2], x32[..., ::2]), dim=-1).flatten(-2)
+    return (r1.float() * x32 + r2.float() * rotated).to(x.dtype)
+
+
+def _npu_fused_infer_attention_score_tnd(
+    query, key, value, *, actual_seq_lengths, actual_seq_lengths_kv, num_heads, num_key_value_heads=0, scale=1.0,
+    sparse_mode=0, input_layout="TND", softmax_lse_flag=False, **unsupported,
+):  # fmt: skip
+    """STAND-IN for ``npu_fused_infer_attention_score`` in the varlen ``input_layout="TND"`` form the vision tower
+    calls (``VisionAscendAttention``): no mask, ``sparse_mode=0``.
+
+    Source: Ascend/op-plugin ``docs/context/torch_npu-npu_fused_infer_attention_score.md`` (参数说明, 输出说明):
+    query ``[T, N, D]`` and key/value ``[T_kv, N_kv, D]``, fp16/bf16 only, contiguous; with TND,
+    ``actual_seq_lengths`` is required, its element count is the batch and each element is the running sum of the
+    lengths so far (non-decreasing, non-negative), likewise ``actual_seq_lengths_kv``; ``num_heads`` divisible by
+    ``num_key_value_heads`` (0 means equal) with a ratio of at most 64; sparse mode 0 without a mask attends every
+    key of the same batch entry. Returns ``(attention_out [T, N, D], softmax_lse)``, the latter fp32 ``[T, N, 1]``
+    with the flag, else a ``[1]`` zero tensor.
+    """
+    op = "npu_fused_infer_attention_score(TND)"
+    _require(not unsupported, op, f"unsupported keywords {sorted(unsupported)}")
+    _require(input_layout == "TND" and sparse_mode == 0, op, f"layout {input_layout}, sparse_mode {sparse_mode}")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        _require(tensor.dtype in _NPU_HALVES, op, f"{name} dtype {tensor.dtype}: the op takes fp16/bf16")
+        _require(tensor.is_contiguous() and tensor.dim() == 3, op, f"{name} must be a contiguous [T, N, D]")
+    _require(key.shape == value.shape, op, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    kv_heads = num_key_value_heads or num_heads
+    _require(query.shape[1] == num_heads and key.shape[1] == kv_heads, op, "head counts differ from the tensors")
+    _require(num_heads % kv_heads == 0 and num_heads // kv_heads <= 64, op, f"GQA {num_heads}:{kv_heads}")
+    ends_q, ends_kv = list(actual_seq_lengths), list(actual_seq_lengths_kv)
+    for name, ends, rows in (("", ends_q, query.shape[0]), ("_kv", ends_kv, key.shape[0])):
+        _require(len(ends) == len(ends_q), op, "actual_seq_lengths and actual_seq_lengths_kv have different batches")
+        _require(all(0 <= a <= b for a, b in zip([0] + ends, ends)), op, f"actual_seq_lengths{name} {ends}")
+        _require(ends[-1] == rows, op, f"actual_seq_lengths{name} ends at {ends[-1]}, the tensor has {rows} rows")
+    out = torch.empty(query.shape, dtype=torch.float32)
+    lse = torch.empty(query.shape[0], num_heads, 1, dtype=torch.float32)
+    for q0, q1, k0, k1 in zip([0] + ends_q, ends_q, [0] + ends_kv, ends_kv):
+        q = query[q0:q1].float().transpose(0, 1)
+        k = key[k0:k1].float().repeat_interleave(num_heads // kv_heads, 1).transpose(0, 1)
+        v = value[k0:k1].float().repeat_interleave(num_heads // kv_heads, 1).transpose(0, 1)
+        logits = q @ k.transpose(1, 2) * scale
+        lse[q0:q1] = torch.logsumexp(logits, dim=-1).transpose(0, 1).unsqueeze(-1)
+        out[q0:q1] = (torch.softmax(logits, dim=-1) @ v).transpose(0, 1)
+    return out.to(query.dtype), (lse if softmax_lse_flag else torch.zeros(1))
+
+
+def _with_tnd_layout(bnsd_stand_in):
+    """One ``npu_fused_infer_attention_score``: the TND calls of the vision tower go to the TND stand-in, every
+    other layout to ``bnsd_stand_in``."""
+
+    def npu_fused_infer_attention_score(*args, input_layout="BSH", **kwargs):
+        if input_layout == "TND":
+            return _npu_fused_infer_attention_score_tnd(*args, input_layout=input_layout, **kwargs)
+        return bnsd_stand_in(*args, input_layout=input_layout, **kwargs)
+
+    return npu_fused_infer_attention_score
+
+
+def _npu_top_k_top_p(logits, p, k):
+    """STAND-IN ``torch_npu.npu_top_k_top_p(logits, p, k) -> Tensor``.
+
+    Source: Ascend/op-plugin ``docs/context/torch_npu-npu_top_k_top_p.md`` (计算公式, 参数说明): logits 2-D
+    fp32/fp16/bf16; p 1-D of logits' dtype, one value in [0, 1] per row; k 1-D int32 in [1, 1024] and at most the
+    vocabulary. Sort ascending (stable); values below the row's k-th largest become -inf; softmax of what is left,
+    cumulated from the smallest; positions whose running sum is <= 1 - p become -inf, the largest always stays;
+    scattered back to the original order. Non-contiguous inputs are allowed.
+    """
+    op = "npu_top_k_top_p"
+    _require(logits.dim() == 2 and logits.dtype in _NPU_FLOATS, op, f"logits {logits.dtype}{tuple(logits.shape)}")
+    _require(p.dtype == logits.dtype and p.shape == logits.shape[:1], op, f"p {p.dtype}{tuple(p.shape)}")
+    _require(k.dtype == torch.int32 and k.shape == logits.shape[:1], op, f"k {k.dtype}{tuple(k.shape)}")
+    _require(bool(((k >= 1) & (k <= min(1024, logits.shape[1]))).all()), op, f"k values {k.tolist()}")
+    _require(bool(((p >= 0) & (p <= 1)).all()), op, f"p values {p.tolist()}")
+    values, indices = logits.float().sort(dim=-1, stable=True)
+    kth_largest = values.gather(1, (logits.shape[1] - k.long()).unsqueeze(1))
+    values = values.masked_fill(values < kth_largest, float("-inf"))
+    running = values.softmax(dim=-1).cumsum(dim=-1)
+    outside_p = running <= 1 - p.float().unsqueeze(1)
+    outside_p[:, -1] = False
+    values = values.masked_fill(outside_p, float("-inf"))
+    return torch.empty_like(values).scatter_(1, indices, values).to(logits.dtype)
+
+
 class _FakeTorchNpu(types.ModuleType):
     """Module whose unknown public attributes raise NotImplementedError naming themselves."""
 
@@ -313,6 +488,12 @@ def build_fake_modules() -> dict[str, types.ModuleType]:
     torch_npu.__doc__ = "STAND-IN torch_npu (tests/fake_torch_npu.py)"
     torch_npu._npu_reshape_and_cache = _npu_reshape_and_cache
     torch_npu.npu_fused_infer_attention_score = _npu_fused_infer_attention_score
+    torch_npu.npu_fused_infer_attention_score = _with_tnd_layout(torch_npu.npu_fused_infer_attention_score)
+    torch_npu.npu_rms_norm = _npu_rms_norm
+    torch_npu.npu_add_rms_norm = _npu_add_rms_norm
+    torch_npu.npu_swiglu = _npu_swiglu
+    torch_npu.npu_rotary_mul = _npu_rotary_mul
+    torch_npu.npu_top_k_top_p = _npu_top_k_top_p
 
     kernel = types.ModuleType("sgl_kernel_npu")
     attention = types.ModuleType("sgl_kernel_npu.attention")
