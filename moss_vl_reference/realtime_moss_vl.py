@@ -254,6 +254,7 @@ class MossVLRealtimeSession:
         self.stream = RealtimeStream(model, frame_window_seconds)
         self.record_logits = record_logits
         self.step_logits: list[tuple[int, torch.Tensor]] = []  # (row whose logits chose the next token, logits)
+        self.generated: list[int] = []  # every token the model chose, in order
         self.outputs: queue.Queue = queue.Queue()
         self.condition = threading.Condition()
         self.pending = PendingInput()
@@ -355,6 +356,7 @@ class MossVLRealtimeSession:
             turn_tokens, next_due = 0, time.monotonic()
             while True:
                 token = self.choose(logits)
+                self.generated.append(token)
                 for piece in pieces.add(token):
                     self.outputs.put(piece)
                 turn_tokens += 1

@@ -1,44 +1,55 @@
-"""Realtime MOSS-VL with plain transformers (no sglang): frames stream in, answers stream out.
+"""Realtime MOSS-VL with plain transformers (no sglang): frames stream in, the model's stream comes out.
 
-Command line (text is written to stdout as the model produces it; logs go to stderr)::
+The model is one continuous stream (the checkpoint's `create_realtime_session`, the upstream session API): frames
+and prompts are appended as they arrive, and the model decides by itself when to speak; `<|silence|>` means it has
+nothing to say and waits for input. Command line (text on stdout as it streams, logs on stderr); upstream's command
+lines run unchanged (a superset of its flags)::
 
     # a video file at 1 sampled frame per second of video, in real time, with a question at 2.5 s
     python realtime_inference/run_online_inference.py --checkpoint CKPT --video clip.mp4 \\
         --prompt "Describe what happens." --prompt-at "2.5=Where is the dot now?"
-    # one stream of a JSONL dataset (timestamps and prompts inside, see video_sources.py)
+    # one stream of a JSONL dataset (timestamps, prompts and per-frame subtitles inside, see video_sources.py)
     python realtime_inference/run_online_inference.py --checkpoint CKPT \\
         --dataset realtime_inference/examples/dataset.jsonl --dataset-index 0
     # synthetic frames, no model: check the source and the schedule
     python realtime_inference/run_online_inference.py --source synthetic --dry-run
 
+Without --raw-output a new round prints "Assistant:", `<|silence|>` prints as [silence] with --show-silence and
+control tokens are hidden. After the source ends the runner reads output for --drain-seconds of quiet (or until
+the stream waits for input), then closes the session.
+
 Service (``--serve``): FastAPI + uvicorn, ``GET /health`` and a WebSocket at ``/v1/realtime``, one session
 at a time (a second connection is closed with code 1013). Client -> server messages are JSON text, except
 a frame's image, which is the binary message right after its header:
 
-    start {prompt, system_prompt, frame_queue_size, max_new_tokens, do_sample, temperature, top_k, top_p,
-           repetition_penalty}                        -> ready
+    start {prompt, system_prompt, frame_queue_size, max_tokens_per_second (the rate cap), max_new_tokens (tokens
+           per turn), frame_window_seconds, do_sample, temperature, top_k, top_p, repetition_penalty}
+                                                      -> ready
     ping                                              -> pong
     prompt {text}                                     -> prompt_ack
-    frame {timestamp[, prompt]} + binary JPEG/PNG     -> frame_ack {timestamp, dropped_oldest, pending_frames}
+    frame {timestamp[, prompt | text]} + binary JPEG/PNG
+                                                      -> frame_ack {timestamp, dropped_oldest, pending_frames}
     video {path[, sample_fps, playback_speed, max_frames]}
                                                       -> video_started ... video_end {frames_sent, frames_dropped}
           (a server-side file, only under --media-root; refused when the service has none)
     stop_video                                        -> video_end, stop_video_ack
-    stop                                              -> stopping ... session_end (then the socket closes)
-Model text arrives as ``output {text}`` whenever it is produced. Every output is sent before ``session_end``
-or a fatal ``error``. A bad message (unknown type, frame without bytes, undecodable image, frame over
-``--max-frame-bytes``, empty prompt, ...) is answered with ``error {message}`` and the session goes on.
-A client that disconnects without ``stop`` aborts its session: the answer being generated stops after its
-current token and prompts not yet answered are dropped.
+    stop                                              -> stopping ... session_end
+The model's stream arrives as ``output {text}`` pieces, control pieces (``<|round_start|>``, ``<|silence|>``)
+included. Every output is sent before ``session_end`` or a fatal ``error``; right after either the server closes
+the socket and frees the session slot. A bad message (unknown type, frame without bytes, undecodable image, frame
+over ``--max-frame-bytes``, empty prompt, ...) is answered with ``error {message}`` and the session goes on.
+A client that disconnects without ``stop`` closes its session after the stream's current step.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -55,7 +66,7 @@ from fastapi import FastAPI, WebSocket  # noqa: E402
 from PIL import Image, UnidentifiedImageError  # noqa: E402
 
 import device_utils  # noqa: E402
-from moss_vl_reference.queries_moss_vl import ERROR_PREFIX  # noqa: E402
+from moss_vl_reference.queries_moss_vl import ERROR_PREFIX, ROUND_START  # noqa: E402
 from realtime_inference import video_sources  # noqa: E402
 from realtime_inference.video_sources import FrameEvent, PromptEvent  # noqa: E402
 
@@ -63,8 +74,12 @@ logger = logging.getLogger("run_online_inference")
 
 DEFAULT_PROMPT = "Describe what you see."
 ACCEPTED_IMAGE_FORMATS = ("JPEG", "PNG")
+SESSION_CLOSE_SECONDS = 30.0  # how long closing a session waits for its stream's current step
 SESSION_ENDED = object()  # next_session_output's answer once the session has stopped and is fully drained
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
+SILENCE = "<|silence|>"
+# Control pieces a reader never sees without --raw-output (the round markers' text and the demo's hidden tokens).
+HIDDEN_PIECES = re.compile(r"<\|round_end\|>|<\|response\|>|<\|assistant\|>|<go>")
 
 
 # --------------------------------------------------------------------------------- session helpers
@@ -98,13 +113,12 @@ def feed_session(
             break
         if isinstance(event, FrameEvent):
             last_timestamp = timestamp_offset + event.timestamp
-            ack = session.push_frame(event.image, last_timestamp, prompt=event.prompt)
             frames_sent += 1
-            frames_dropped += bool(ack.get("dropped_oldest"))
+            frames_dropped += bool(push_frame(session, event.image, last_timestamp, event.prompt))
         else:
             if on_prompt is not None:
                 on_prompt(event)
-            session.prompt(event.text)
+            session.push_prompt(event.text)
             prompts_sent += 1
     return {
         "frames_sent": frames_sent,
@@ -115,8 +129,34 @@ def feed_session(
     }
 
 
+def push_frame(session: Any, image: Any, timestamp: float, prompt: Optional[str] = None) -> bool:
+    """A frame, with its prompt (a subtitle) when it has one, through the upstream session API -> dropped?"""
+    if prompt:
+        return bool(session.push_prompt_frame(prompt, image, timestamp))
+    return bool(session.push_frame(image, timestamp))
+
+
+def render_piece(piece: str, raw_output: bool, show_silence: bool) -> str:
+    """What the CLI prints for one output piece: everything with --raw-output; otherwise a new round opens an
+    "Assistant:" line, <|silence|> shows as [silence] only with --show-silence, other control pieces are hidden."""
+    if raw_output:
+        return piece
+    text = piece.replace(ROUND_START, "\nAssistant: ")
+    text = text.replace(SILENCE, "[silence]" if show_silence else "")
+    return HIDDEN_PIECES.sub("", text)
+
+
 def sampling_kwargs(values: dict) -> dict:
     return {key: values[key] for key in SAMPLING_KEYS if values.get(key) is not None}
+
+
+def generation_kwargs(values: dict) -> dict:
+    """Keywords of create_realtime_session beyond the upstream ones: sampling, the turn limit and, when set, the
+    frame window (a checkpoint without one would reject the keyword, so it is only passed when asked for)."""
+    kwargs = {**sampling_kwargs(values), "max_new_tokens": values["max_new_tokens"]}
+    if values.get("frame_window_seconds") is not None:
+        kwargs["frame_window_seconds"] = values["frame_window_seconds"]
+    return kwargs
 
 
 def load_realtime_model(args: argparse.Namespace) -> tuple[Any, Any, dict]:
@@ -187,6 +227,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--camera-index", type=int, default=0, help="camera /dev/videoN for --source camera (default 0)"
     )
     source.add_argument(
+        "--monitor-index",
+        type=int,
+        default=1,
+        help="monitor for --source screen, counted from 1 as upstream does; here X11 screen number index - 1 of "
+        "$DISPLAY (default 1)",
+    )
+    source.add_argument(
+        "--decode-batch-size",
+        type=int,
+        default=8,
+        help="accepted for upstream command lines; PyAV decodes one frame at a time here, so it changes nothing",
+    )
+    source.add_argument(
+        "--no-realtime-template",
+        action="store_false",
+        dest="realtime_template",
+        help="accepted for upstream command lines, where it stops a training-record dataset from replaying its "
+        "assistant turns' frame script; this runner's datasets carry timed prompts and no such script, so it "
+        "changes nothing here",
+    )
+    source.add_argument(
         "--synthetic-duration", type=float, default=10.0, help="seconds of synthetic frames (default 10)"
     )
     source.add_argument(
@@ -210,6 +271,18 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"question answered once the first frame arrives (default {DEFAULT_PROMPT!r}; none for datasets)",
     )
     prompts.add_argument(
+        "--prompt-frame-first",
+        action="store_true",
+        dest="prompt_frame_first",
+        help="send --prompt together with the first frame instead of in the initial prefill before any frame",
+    )
+    prompts.add_argument(
+        "--no-prompt-frame-first",
+        action="store_false",
+        dest="prompt_frame_first",
+        help="put --prompt in the initial prefill, before any frame (the default)",
+    )
+    prompts.add_argument(
         "--prompt-at",
         type=parse_timed_prompt,
         action="append",
@@ -223,7 +296,34 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument(
         "--frame-queue-size", type=int, default=256, help="frames kept in the session window (default 256)"
     )
-    prompts.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default 256)")
+    prompts.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="tokens one turn may generate before the stream waits for input as after <|silence|> (default 256; "
+        "upstream 4096)",
+    )
+    prompts.add_argument(
+        "--max-tokens-per-second",
+        type=float,
+        default=0.0,
+        help="cap on generated tokens per second (the session's max_tokens_per_turn); 0 = uncapped (default 0; "
+        "upstream 12)",
+    )
+    prompts.add_argument(
+        "--frame-window-seconds",
+        type=float,
+        default=None,
+        help="drop frames more than this many seconds behind the newest one from the model's vision cache "
+        "(default: keep every frame)",
+    )
+    prompts.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=15.0,
+        help="after the source ends, keep reading output until this many seconds pass without any, or until the "
+        "stream waits for input (default 15)",
+    )
     prompts.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     prompts.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     prompts.add_argument("--top-k", type=int, default=20, help="sampling top-k (default 20)")
@@ -231,6 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--repetition-penalty", type=float, default=1.0, help="repetition penalty (default 1.0)")
     prompts.add_argument(
         "--dry-run", action="store_true", help="list the frames and prompts the source produces, load no model"
+    )
+    output = parser.add_argument_group("output (CLI mode)")
+    output.add_argument("--show-silence", action="store_true", help="print [silence] where the model chose silence")
+    output.add_argument(
+        "--raw-output",
+        action="store_true",
+        help="print every output piece as the model streams it, control tokens (<|round_start|>, <|silence|>) too",
     )
 
     service = parser.add_argument_group("service")
@@ -269,10 +376,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--sample-fps must be positive")
     if args.playback_speed < 0:
         parser.error("--playback-speed must be >= 0 (0 disables pacing)")
-    for name in ("max_frames", "dataset_index", "camera_index"):
+    for name in ("max_frames", "dataset_index", "camera_index", "monitor_index"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
-    for name in ("frame_queue_size", "max_new_tokens", "max_frame_bytes", "synthetic_duration"):
+    if args.max_tokens_per_second < 0:
+        parser.error("--max-tokens-per-second must be >= 0 (0 = uncapped)")
+    if args.frame_window_seconds is not None and args.frame_window_seconds <= 0:
+        parser.error("--frame-window-seconds must be positive")
+    for name in ("frame_queue_size", "max_new_tokens", "max_frame_bytes", "synthetic_duration", "drain_seconds"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.checkpoint is None and not args.dry_run:
@@ -301,7 +412,7 @@ def open_source(args: argparse.Namespace) -> tuple[Iterable, dict]:
     elif args.source == "camera":
         frames = video_sources.camera_frames(args.camera_index, args.sample_fps, args.max_frames)
     else:
-        frames = video_sources.screen_frames(args.sample_fps, args.max_frames)
+        frames = video_sources.screen_frames(args.sample_fps, args.max_frames, args.monitor_index)
     return video_sources.merge_by_time(frames, timed_prompts), {
         "system_prompt": None,
         "live": args.source in ("camera", "screen"),
@@ -322,18 +433,31 @@ def dry_run(events: Iterable, playback_speed: float) -> None:
     print(f"{frames} frames, {prompts} prompts in {elapsed:.2f}s ({frames / max(elapsed, 1e-9):.1f} frames/s)")
 
 
-def print_outputs(session: Any, out) -> None:
-    """Write the session's text to ``out`` as it arrives; model-reported turn errors go to the log."""
+def print_outputs(session: Any, out, raw_output: bool, show_silence: bool, last_output: list) -> None:
+    """Write the session's pieces to ``out`` as they arrive (see render_piece); stream errors go to the log.
+    ``last_output[0]`` is set to the monotonic time of each piece (the drain clock)."""
     while (chunk := next_session_output(session, 0.1)) is not SESSION_ENDED:
         if chunk is None:
             continue
+        last_output[0] = time.monotonic()
         if chunk.startswith(ERROR_PREFIX):
-            logger.error("turn failed: %s", chunk[len(ERROR_PREFIX) :])
+            logger.error("stream error: %s", chunk[len(ERROR_PREFIX) :])
             continue
-        out.write(chunk)
+        out.write(render_piece(chunk, raw_output, show_silence))
         out.flush()
     out.write("\n")
     out.flush()
+
+
+def wait_for_drain(session: Any, drain_seconds: float, last_output: list) -> None:
+    """After the source ends: until ``drain_seconds`` pass without output, or (when the session can say so) the
+    stream has drained its input and waits for more."""
+    waits = getattr(session, "wait_until_parked", None)
+    while session.active and time.monotonic() - last_output[0] < drain_seconds:
+        if waits is not None and waits(0.2):
+            return
+        if waits is None:
+            time.sleep(0.1)
 
 
 def stream_source(args: argparse.Namespace) -> int:
@@ -343,33 +467,43 @@ def stream_source(args: argparse.Namespace) -> int:
         dry_run(events, playback_speed)
         return 0
     model, processor, metadata = load_realtime_model(args)
-    initial_prompt = args.prompt if args.prompt is not None else ("" if args.source == "dataset" else DEFAULT_PROMPT)
-    system_prompt = args.system_prompt if args.system_prompt is not None else (settings["system_prompt"] or "")
+    prompt = args.prompt if args.prompt is not None else ("" if args.source == "dataset" else DEFAULT_PROMPT)
+    system_prompt = args.system_prompt if args.system_prompt is not None else settings["system_prompt"]
+    if args.prompt_frame_first and prompt:
+        events = video_sources.attach_prompt_to_first_frame(events, prompt)
     session = model.create_realtime_session(
         processor,
-        initial_prompt=initial_prompt,
+        initial_prompt="" if args.prompt_frame_first else prompt,
         system_prompt=system_prompt,
         frame_queue_size=args.frame_queue_size,
-        max_tokens_per_turn=args.max_new_tokens,
-        **sampling_kwargs(vars(args)),
+        max_tokens_per_turn=args.max_tokens_per_second,
+        **generation_kwargs(vars(args)),
     )
     session.start()
-    printer = threading.Thread(target=print_outputs, args=(session, sys.stdout), name="print_outputs", daemon=True)
+    last_output = [time.monotonic()]
+    printer = threading.Thread(
+        target=print_outputs,
+        args=(session, sys.stdout, args.raw_output, args.show_silence, last_output),
+        name="print_outputs",
+        daemon=True,
+    )
     printer.start()
-    if initial_prompt:
-        print(f"[t=   0.00s] > {initial_prompt}", flush=True)
+    if prompt:
+        print(f"[t=   0.00s] > {prompt}", flush=True)
 
     def announce(event: PromptEvent) -> None:
         print(f"\n[t={event.timestamp:7.2f}s] > {event.text}", flush=True)
 
     try:
         stats = feed_session(session, events, playback_speed, threading.Event(), on_prompt=announce)
+        last_output[0] = max(last_output[0], time.monotonic())
+        wait_for_drain(session, args.drain_seconds, last_output)
     finally:
-        session.stop()  # answers every prompt already asked, then ends the session
+        session.close(30.0)
         printer.join()
     rate = stats["frames_sent"] / max(stats["elapsed_seconds"], 1e-9)
     logger.info(
-        "fed %d frames and %d prompts in %.2fs (%.1f frames/s); %d frames left the %d-frame window",
+        "fed %d frames and %d prompts in %.2fs (%.1f frames/s); %d frames dropped from the %d-frame queue",
         stats["frames_sent"],
         stats["prompts_sent"],
         stats["elapsed_seconds"],
@@ -448,17 +582,19 @@ class RealtimeConnection:
         self.last_timestamp: Optional[float] = None
         self.video_task: Optional[asyncio.Task] = None
         self.video_stop = threading.Event()
-        self.stopped_by_client = False
+        self.ended = asyncio.Event()  # set once session_end or a fatal error has been sent
 
     async def send(self, message: dict) -> None:
         async with self.send_lock:
             await self.websocket.send_json(message)
 
     async def run(self) -> None:
+        """Serve client messages until ``stop``, a disconnect, or the end of the session (session_end or a fatal
+        error sent): then the session is released and the socket closed, so the next client is served at once."""
         try:
-            while True:
-                message = await self.websocket.receive()
-                if message["type"] == "websocket.disconnect":
+            while not self.ended.is_set():
+                message = await self.next_message()
+                if message is None or message["type"] == "websocket.disconnect":
                     return
                 try:
                     if await self.handle(message) == "stop":
@@ -467,6 +603,21 @@ class RealtimeConnection:
                     await self.send({"type": "error", "message": str(error)})
         finally:
             await self.shutdown()
+            if self.ended.is_set():
+                with contextlib.suppress(RuntimeError, OSError):
+                    await self.websocket.close(code=1000)
+
+    async def next_message(self) -> Optional[dict]:
+        """The next client message, or None once the session has ended first."""
+        receiving = asyncio.ensure_future(self.websocket.receive())
+        ending = asyncio.ensure_future(self.ended.wait())
+        done, _ = await asyncio.wait({receiving, ending}, return_when=asyncio.FIRST_COMPLETED)
+        if receiving in done:
+            ending.cancel()
+            return receiving.result()
+        receiving.cancel()
+        await asyncio.gather(receiving, return_exceptions=True)
+        return None
 
     async def handle(self, message: dict) -> Optional[str]:
         if message.get("bytes") is not None:
@@ -516,12 +667,16 @@ class RealtimeConnection:
                 "repetition_penalty": _number(payload, "repetition_penalty", d.repetition_penalty, float, 0.0),
             }
         )
+        generate["max_new_tokens"] = _number(payload, "max_new_tokens", d.max_new_tokens, int, 1)
+        window = payload.get("frame_window_seconds", d.frame_window_seconds)
+        if window is not None:
+            generate["frame_window_seconds"] = _number(payload, "frame_window_seconds", window, float, 1e-6)
         self.session = self.model.create_realtime_session(
             self.processor,
             initial_prompt=_text(payload, "prompt", d.prompt or ""),
-            system_prompt=_text(payload, "system_prompt", d.system_prompt or ""),
+            system_prompt=_text(payload, "system_prompt", d.system_prompt or "") or None,
             frame_queue_size=_number(payload, "frame_queue_size", d.frame_queue_size, int, 1),
-            max_tokens_per_turn=_number(payload, "max_new_tokens", d.max_new_tokens, int, 1),
+            max_tokens_per_turn=_number(payload, "max_tokens_per_second", d.max_tokens_per_second, float, 0.0),
             **generate,
         )
         self.session.start()
@@ -532,7 +687,10 @@ class RealtimeConnection:
         text = _text(payload, "text")
         if not text.strip():
             raise ClientError("prompt text is empty")
-        self.session.prompt(text)
+        try:
+            await asyncio.to_thread(self.session.push_prompt, text)
+        except ValueError as error:
+            raise ClientError(str(error)) from error
         await self.send({"type": "prompt_ack", "text": text})
 
     async def on_frame_header(self, payload: dict) -> None:
@@ -541,7 +699,7 @@ class RealtimeConnection:
         timestamp = _number(payload, "timestamp", None, float, 0.0)
         if self.last_timestamp is not None and timestamp < self.last_timestamp:
             raise ClientError(f"frame timestamp {timestamp} is before the previous frame's {self.last_timestamp}")
-        prompt = payload.get("prompt")
+        prompt = payload.get("prompt", payload.get("text"))  # upstream accepts either field
         if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
             raise ClientError("a frame's prompt must be a non-empty string when given")
         self.frame_header = {"timestamp": timestamp, "prompt": prompt}
@@ -551,9 +709,14 @@ class RealtimeConnection:
         if header is None:
             raise ClientError("binary message without a preceding frame header")
         image = decode_frame(data, self.defaults.max_frame_bytes)
-        ack = self.session.push_frame(image, header["timestamp"], prompt=header["prompt"])
+        try:
+            dropped = await asyncio.to_thread(push_frame, self.session, image, header["timestamp"], header["prompt"])
+        except ValueError as error:  # the session refused this frame; the stream goes on
+            raise ClientError(str(error)) from error
         self.last_timestamp = header["timestamp"]
-        await self.send({"type": "frame_ack", "timestamp": header["timestamp"], **ack})
+        pending = self.session.pending_frames
+        ack = {"timestamp": header["timestamp"], "dropped_oldest": dropped, "pending_frames": pending}
+        await self.send({"type": "frame_ack", **ack})
 
     async def on_video(self, payload: dict) -> None:
         if self.video_task is not None:
@@ -599,12 +762,10 @@ class RealtimeConnection:
             await task
 
     async def on_stop(self, payload: dict) -> str:
-        self.stopped_by_client = True
         await self.send({"type": "stopping"})
         await self.finish_video()
-        await asyncio.to_thread(self.session.stop)  # the worker answers prompts already asked, then ends
-        await self.pump  # drains every output, then sends session_end (or error)
-        await self.websocket.close(code=1000)
+        await asyncio.to_thread(self.session.close, SESSION_CLOSE_SECONDS)
+        await self.pump  # drains every output, then sends session_end (or error) and marks the end
         return "stop"
 
     async def pump_outputs(self) -> None:
@@ -615,20 +776,22 @@ class RealtimeConnection:
             except Exception as error:
                 logger.exception("realtime session failed")
                 await self.send({"type": "error", "message": str(error)})
+                self.ended.set()
                 return
             if chunk is SESSION_ENDED:
                 await self.send({"type": "session_end"})
+                self.ended.set()
                 return
             if chunk is None:
                 continue
-            if chunk.startswith(ERROR_PREFIX):  # one failed turn; the session goes on
+            if chunk.startswith(ERROR_PREFIX):  # reported; the session ends by itself if it cannot go on
                 await self.send({"type": "error", "message": chunk[len(ERROR_PREFIX) :]})
             else:
                 await self.send({"type": "output", "text": chunk})
 
     async def shutdown(self) -> None:
         """Release the session when the client leaves (or after stop): no thread keeps generating for nobody.
-        A client gone without ``stop`` aborts the answer in progress instead of waiting for it."""
+        A client gone without ``stop`` closes the stream after its current step."""
         if self.pump is not None and not self.pump.done():
             self.pump.cancel()
         if self.pump is not None:
@@ -646,8 +809,9 @@ class RealtimeConnection:
         if self.session.active:
             # Its own thread, not asyncio.to_thread: this handler may be cancelled here (server shutdown), and a
             # cancelled to_thread call that has not started yet never runs, which would leave the session generating.
-            release = self.session.stop if self.stopped_by_client else self.session.abort
-            releaser = threading.Thread(target=release, name="release_realtime_session", daemon=True)
+            releaser = threading.Thread(
+                target=self.session.close, args=(SESSION_CLOSE_SECONDS,), name="release_realtime_session", daemon=True
+            )
             releaser.start()
             await asyncio.to_thread(releaser.join)
 

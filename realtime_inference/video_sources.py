@@ -134,8 +134,11 @@ def camera_frames(index: int, sample_fps: float, max_frames: int = 0) -> Iterato
     return _closing(container, _sampled(_live_frames(container), sample_fps, max_frames))
 
 
-def screen_frames(sample_fps: float, max_frames: int = 0) -> Iterator[FrameEvent]:
+def screen_frames(sample_fps: float, max_frames: int = 0, monitor_index: int = 1) -> Iterator[FrameEvent]:
+    """The X11 display $DISPLAY; monitor_index counts screens from 1 (screen number monitor_index - 1)."""
     display = os.environ.get("DISPLAY")
+    if display and monitor_index > 1:
+        display = f"{display.split('.')[0]}.{monitor_index - 1}"
     if not display:
         raise SourceUnavailable("screen capture needs an X11 display, and DISPLAY is not set on this machine")
     try:
@@ -186,6 +189,16 @@ def merge_by_time(frames: Iterable[FrameEvent], prompts: Iterable[PromptEvent]) 
     keyed_frames = ((event.timestamp, 0, order, event) for order, event in enumerate(frames))
     keyed_prompts = ((event.timestamp, 1, order, event) for order, event in enumerate(prompts))
     for _, _, _, event in heapq.merge(keyed_frames, keyed_prompts, key=lambda item: item[:3]):
+        yield event
+
+
+def attach_prompt_to_first_frame(events: Iterable[Event], prompt: str) -> Iterator[Event]:
+    """The same events with ``prompt`` asked on the first frame (the runner's --prompt-frame-first)."""
+    attached = False
+    for event in events:
+        if not attached and isinstance(event, FrameEvent):
+            attached = True
+            event = FrameEvent(event.timestamp, event.image, prompt)
         yield event
 
 

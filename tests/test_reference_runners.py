@@ -104,65 +104,37 @@ def wait_for(condition, seconds: float = 30.0):
         time.sleep(0.05)
 
 
-def test_realtime_session_answers_over_the_frames_received_so_far(model, processor):
-    session = model.create_realtime_session(
-        processor, initial_prompt="", system_prompt="Watch.", frame_queue_size=2, max_tokens_per_turn=6, eos_token_id=[]
-    )
-    session.start()
-    try:
-        acks = [session.push_frame(frame, timestamp=0.5 + i) for i, frame in enumerate(frames(3))]
-        assert [a["dropped_oldest"] for a in acks] == [False, False, True] and acks[-1]["pending_frames"] == 2
-        session.prompt("What changed?")
-        wait_for(lambda: len(session.history) == 1)
-        chunks = []
-        while (chunk := session.poll_output(0.1)) is not None:
-            chunks.append(chunk)
-    finally:
-        session.stop()
-    assert not session.active
-    window = {"frames": frames(3)[1:], "timestamps": [1.5, 2.5]}
-    messages = [
-        {"role": "system", "content": "Watch."},
-        {"role": "user", "content": [{"type": "video", "video": window}, {"type": "text", "text": "What changed?"}]},
-    ]
-    expected = direct_answer(model, processor, messages, videos=[window])
-    assert session.history == [("What changed?", expected)]
-    assert "".join(chunks) == expected
-    with pytest.raises(ValueError):
-        session.prompt("")
-
-
-def test_online_generate_streams_answers_until_stopped(model, processor):
+def test_online_generate_runs_the_stream_on_upstream_messages_until_stopped(model, processor):
+    """Upstream's queue protocol: a settings message, frames (a subtitle as `text`), a prompt, a bad message (its
+    own error piece, the stream goes on), then the stop message ends the loop and the stream."""
     inbox, outbox = queue.Queue(), queue.Queue()
     worker = threading.Thread(
-        target=model.online_generate, args=(processor, inbox, outbox), kwargs={"eos_token_id": []}
+        target=model.online_generate, args=(processor, inbox, outbox), kwargs={"max_new_tokens": 4}
     )
     worker.start()
-    inbox.put({"initial_prompt": "Describe.", "system_prompt": "", "frame_queue_size": 4, "max_tokens_per_turn": 4})
-    for i, frame in enumerate(frames(2)):
-        inbox.put({"frame": frame, "timestamp": float(i)})
-    inbox.put({"prompt": "Again?"})
-    wait_for(lambda: outbox.qsize() >= 2)
+    inbox.put({"initial_prompt": "Describe.", "system_prompt": None, "frame_queue_size": 4, "max_tokens_per_turn": 0})
+    first, second = frames(2)
+    inbox.put({"frame": first, "timestamp": 0.0})
+    inbox.put({"frame": second, "timestamp": 1.0, "text": "a subtitle", "drop_oldest": False})
+    inbox.put({"prompt": "Again?", "drop_oldest": False})
+    inbox.put({"neither": True})
+    wait_for(lambda: outbox.qsize() >= 8)
     inbox.put({"stop_online_generate": True})
     worker.join(timeout=60)
     assert not worker.is_alive()
-    assert outbox.qsize() >= 2
+    pieces = [outbox.get() for _ in range(outbox.qsize())]
+    assert pieces[0] == "<|round_start|>", "the initial prompt opens a round"
+    assert sum(p.startswith("[ERROR] ValueError") for p in pieces) == 1
 
 
-def test_realtime_abort_stops_the_running_answer_and_drops_waiting_prompts(model, processor):
-    """stop() answers every prompt asked; abort() (a client gone) ends the answer in progress after its current
-    token. A 100000-token answer (eos disabled) would run for minutes; aborted, the session ends at once."""
-    session = model.create_realtime_session(processor, frame_queue_size=2, max_tokens_per_turn=100_000, eos_token_id=[])
+def test_close_ends_a_stream_in_the_middle_of_a_long_turn(model, processor):
+    """A turn limit of 100000 tokens would run for minutes; close() ends the stream after its current step."""
+    session = model.create_realtime_session(processor, max_new_tokens=100_000)
     session.start()
     session.push_frame(frames(1)[0], timestamp=0.0)
-    session.prompt("Talk forever.")
-    session.prompt("And then this.")
-    first = None
-    while first is None:
-        first = session.poll_output(5.0)
+    session.push_prompt("Talk forever.")
+    wait_for(lambda: len(session.generated) > 5)
     started = time.monotonic()
-    session.abort()
+    session.close(timeout=30)
     assert time.monotonic() - started < 10 and not session.active
-    assert session.history and session.history[0][0] == "Talk forever."
-    assert len(processor.tokenizer(session.history[0][1])["input_ids"]) < 1000
-    assert [prompt for prompt, _ in session.history] == ["Talk forever."], "the waiting prompt was dropped"
+    assert len(session.generated) < 1000

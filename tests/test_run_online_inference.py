@@ -14,7 +14,6 @@ import os
 import queue
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from argparse import Namespace
@@ -128,32 +127,39 @@ def test_dataset_entries_resolve_media_and_interleave_prompts():
 
 
 class RecordingSession:
-    """Stand-in for the model's realtime session: records frames and prompts; each prompt answers with two
-    text pieces naming the prompt and the frame count; ``stop`` leaves two more pieces queued so that the
-    service must drain them before ``session_end``."""
+    """Stand-in with only the upstream session API (what the real checkpoints' remote code provides: no
+    ``prompt``/``stop``/``abort``): records frames and prompts; each prompt answers with two text pieces naming
+    the prompt and the frame count; ``close`` leaves two more pieces queued so that the service must drain them
+    before ``session_end``."""
 
     def __init__(self, frame_queue_size, fail_on_poll=None, fail_turn_on=None):
         self.frames, self.prompts, self.outputs = [], [], queue.Queue()
         self.frame_queue_size, self.fail_on_poll, self.fail_turn_on = frame_queue_size, fail_on_poll, fail_turn_on
-        self.started = self.stopped = self.aborted = False
+        self.started = self.closed = False
         self.polls = 0
 
     @property
     def active(self):
-        return self.started and not self.stopped
+        return self.started and not self.closed
+
+    @property
+    def pending_frames(self):
+        return min(len(self.frames), self.frame_queue_size)
 
     def start(self):
         self.started = True
         return self
 
-    def push_frame(self, frame, timestamp, prompt=None, drop_oldest=True):
-        self.frames.append((timestamp, np.asarray(frame)))
-        window = min(len(self.frames), self.frame_queue_size)
-        if prompt:
-            self.prompt(prompt)
-        return {"dropped_oldest": len(self.frames) > self.frame_queue_size, "pending_frames": window}
+    def push_frame(self, image, timestamp):
+        self.frames.append((timestamp, np.asarray(image)))
+        return len(self.frames) > self.frame_queue_size
 
-    def prompt(self, text):
+    def push_prompt_frame(self, prompt, image, timestamp):
+        dropped = self.push_frame(image, timestamp)
+        self.push_prompt(prompt)
+        return dropped
+
+    def push_prompt(self, text):
         self.prompts.append(text)
         if text == self.fail_turn_on:
             self.outputs.put("[ERROR] ValueError: this turn failed")
@@ -163,20 +169,18 @@ class RecordingSession:
 
     def poll_output(self, timeout=0.1):
         self.polls += 1
-        if self.fail_on_poll is not None and self.outputs.empty() and self.stopped:
+        if self.fail_on_poll is not None and self.outputs.empty() and self.closed:
             raise RuntimeError(self.fail_on_poll)
         try:
             return self.outputs.get(timeout=min(timeout, 0.02))
         except queue.Empty:
             return None
 
-    def stop(self):
-        self.outputs.put("first queued piece")
-        self.outputs.put("final queued piece")
-        self.stopped = True
-
-    def abort(self):
-        self.aborted = self.stopped = True
+    def close(self, timeout=None):
+        if not self.closed:
+            self.outputs.put("first queued piece")
+            self.outputs.put("final queued piece")
+        self.closed = True
 
 
 class RecordingModel:
@@ -195,6 +199,8 @@ def service_defaults(**overrides) -> Namespace:
         system_prompt=None,
         frame_queue_size=2,
         max_new_tokens=16,
+        max_tokens_per_second=0.0,
+        frame_window_seconds=None,
         do_sample=False,
         temperature=0.7,
         top_k=20,
@@ -244,6 +250,7 @@ def test_session_streams_output_and_drains_before_session_end(service):
                 "prompt": "hello",
                 "system_prompt": "sys",
                 "max_new_tokens": 7,
+                "max_tokens_per_second": 12,
                 "do_sample": True,
                 "temperature": 0.5,
                 "frame_queue_size": 2,
@@ -264,7 +271,7 @@ def test_session_streams_output_and_drains_before_session_end(service):
             {"type": "frame_ack", "timestamp": 1.0, "dropped_oldest": False, "pending_frames": 2},
             {"type": "frame_ack", "timestamp": 2.0, "dropped_oldest": True, "pending_frames": 2},
         ]
-        ws.send_json({"type": "frame", "timestamp": 3.0, "prompt": "with frame"})
+        ws.send_json({"type": "frame", "timestamp": 3.0, "text": "with frame"})  # upstream's other field name
         ws.send_bytes(png_bytes(fmt="JPEG"))
         ws.send_json({"type": "prompt", "text": "what now?"})
         ws.send_json({"type": "stop"})
@@ -278,14 +285,15 @@ def test_session_streams_output_and_drains_before_session_end(service):
             "initial_prompt": "hello",
             "system_prompt": "sys",
             "frame_queue_size": 2,
-            "max_tokens_per_turn": 7,
+            "max_tokens_per_turn": 12.0,
+            "max_new_tokens": 7,
             "do_sample": True,
             "temperature": 0.5,
             "top_k": 20,
             "top_p": 0.8,
             "repetition_penalty": 1.0,
         }
-    ]
+    ], "upstream's start fields: max_tokens_per_second is the rate cap, max_new_tokens the generation limit"
     assert [t for t, _ in session.frames] == [0.0, 1.0, 2.0, 3.0]
     assert session.frames[1][1][0, 0].tolist() == [0, 255, 0], "the PNG bytes reach the session decoded"
     assert session.prompts == ["with frame", "what now?"]
@@ -300,7 +308,7 @@ def test_session_streams_output_and_drains_before_session_end(service):
     ]
     assert messages[-1] == {"type": "session_end"} and of_type(messages, "stopping") == [{"type": "stopping"}]
     assert messages.index({"type": "stopping"}) < messages.index({"type": "output", "text": "final queued piece"})
-    assert session.stopped
+    assert session.closed
 
 
 BAD_MESSAGES = [
@@ -406,10 +414,10 @@ def test_second_client_is_refused_with_1013_while_a_session_is_active(service):
         with client.websocket_connect("/v1/realtime") as third:  # free again after the first client left
             third.send_json({"type": "start"})
             assert third.receive_json() == {"type": "ready"}
-    assert model.sessions[0].aborted, "a client that leaves without 'stop' still releases its session"
+    assert model.sessions[0].closed, "a client that leaves without 'stop' still releases its session"
 
 
-def test_stop_finishes_the_answers_and_a_disconnect_aborts_them(service):
+def test_stop_and_a_disconnect_both_close_the_session(service):
     model, client = service()
     with client:
         for leave_with_stop in (True, False):
@@ -422,12 +430,30 @@ def test_stop_finishes_the_answers_and_a_disconnect_aborts_them(service):
                     receive_until(ws, "session_end")
             # the server releases the session in a thread of its own once it notices the client has gone
             deadline = time.monotonic() + 10
-            while not model.sessions[-1].stopped:
+            while not model.sessions[-1].closed:
                 assert time.monotonic() < deadline, "the session was never released"
                 time.sleep(0.01)
-    graceful, abandoned = model.sessions
-    assert (graceful.stopped, graceful.aborted) == (True, False)
-    assert (abandoned.stopped, abandoned.aborted) == (True, True)
+    assert [session.closed for session in model.sessions] == [True, True]
+
+
+def test_after_session_end_the_server_closes_the_socket_and_serves_the_next_client(service):
+    """The session ends by itself (the stand-in's stream is closed under it): the server sends session_end, closes
+    the socket without waiting for the client, and the one-session slot is free for the next client at once."""
+    model, client = service()
+    with client:
+        with client.websocket_connect("/v1/realtime") as first:
+            first.send_json({"type": "start"})
+            assert first.receive_json() == {"type": "ready"}
+            model.sessions[0].close()
+            messages = receive_until(first, "session_end")
+            with pytest.raises(WebSocketDisconnect) as closed:
+                first.receive_json()
+            assert closed.value.code == 1000
+            assert [m["text"] for m in of_type(messages, "output")] == ["first queued piece", "final queued piece"]
+            with client.websocket_connect("/v1/realtime") as second:  # the first client is still connected
+                second.send_json({"type": "start"})
+                assert second.receive_json() == {"type": "ready"}
+    assert len(model.sessions) == 2
 
 
 def test_server_side_video_is_streamed_into_the_session(service):
@@ -528,33 +554,33 @@ def test_next_session_output_catches_a_piece_put_as_the_session_ends():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    checkpoint = build_or_reuse()
+    checkpoint = build_or_reuse("tiny-realtime")  # its short turns end in <|silence|>, so streams park
     args = online.parse_args(["--checkpoint", str(checkpoint), "--device-map", "cpu", "--dtype", "float32"])
     model, processor, metadata = online.load_realtime_model(args)
     return checkpoint, model, processor, metadata
 
 
-def streamed_answer(model, processor, frames, timestamps, prompt, max_new_tokens, system_prompt=None) -> str:
-    """Oracle: the model's offline_generate stream for one question over the frames as one video."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    video = {"frames": frames, "timestamps": timestamps}
-    messages.append({"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": prompt}]})
-    in_queue, out_queue = queue.Queue(), queue.Queue()
-    worker = threading.Thread(target=model.offline_generate, args=(processor, in_queue, out_queue), daemon=True)
-    worker.start()
-    in_queue.put({"messages": messages, "generate_kwargs": {"max_new_tokens": max_new_tokens, "do_sample": False}})
-    in_queue.put({"stop_offline_generate": True})
-    worker.join(timeout=120)
-    items = [out_queue.get() for _ in range(out_queue.qsize())]
-    assert items[0] == "<|round_start|>" and items[-1] == "<|round_end|>", items
-    assert not any(i.startswith("[ERROR]") for i in items), items
-    return "".join(items[1:-1])
+class CapturingModel:
+    """The real model behind the service, keeping each session it creates (with its per-step logits)."""
+
+    def __init__(self, model):
+        self.model, self.sessions = model, []
+
+    def create_realtime_session(self, processor, **kwargs):
+        self.sessions.append(self.model.create_realtime_session(processor, record_logits=True, **kwargs))
+        return self.sessions[-1]
 
 
-def test_real_model_session_answers_over_websocket(tiny_model):
+def test_real_model_stream_over_websocket_equals_a_cold_prefill(tiny_model):
+    """The service runs the model's stream end to end: what the client receives is what the stream chose (one
+    round marker for the prompt), the stream equals a cold prefill of its final sequence, and after stop the
+    socket closes."""
+    from test_realtime_stream import assert_stream_equals_cold
+
     checkpoint, model, processor, metadata = tiny_model
+    capturing = CapturingModel(model)
     app = online.create_service_app(
-        model, processor, service_defaults(max_frame_bytes=1 << 20, frame_queue_size=64), metadata
+        capturing, processor, service_defaults(max_frame_bytes=1 << 20, frame_queue_size=64), metadata
     )
     colors = [(250, 20, 20), (20, 250, 20), (20, 20, 250)]
     with TestClient(app) as client:
@@ -563,54 +589,98 @@ def test_real_model_session_answers_over_websocket(tiny_model):
         with client.websocket_connect("/v1/realtime") as ws:
             ws.send_json({"type": "start", "max_new_tokens": 10, "do_sample": False})
             assert ws.receive_json() == {"type": "ready"}
+            messages = []  # everything the client receives, outputs interleaved with the acks
             for t, color in enumerate(colors):
                 ws.send_json({"type": "frame", "timestamp": float(t)})
                 ws.send_bytes(png_bytes(color, size=(64, 64)))
+                messages += receive_until(ws, "frame_ack")
+            ws.send_json({"type": "frame", "timestamp": 2.5})
+            ws.send_bytes(b"not an image")
+            messages += receive_until(ws, "error")
+            assert "cannot decode frame image" in messages[-1]["message"], "a bad frame gets its own error"
             ws.send_json({"type": "prompt", "text": "Which colours appear?"})
+            messages += receive_until(ws, "prompt_ack")
+            assert capturing.sessions[0].wait_until_parked(60)
             ws.send_json({"type": "stop"})
-            messages = receive_until(ws, "session_end")
-    assert not of_type(messages, "error"), messages
-    outputs = of_type(messages, "output")
-    assert outputs and messages.index(outputs[-1]) < len(messages) - 1
+            messages += receive_until(ws, "session_end")
+            with pytest.raises(WebSocketDisconnect):
+                ws.receive_json()
+    assert len(of_type(messages, "error")) == 1, messages
+    session = capturing.sessions[0]
+    pieces = [m["text"] for m in messages if m["type"] == "output"]
+    assert pieces.count("<|round_start|>") == 1, "one round marker for the one prompt"
+    assert "".join(p for p in pieces if p != "<|round_start|>") == processor.tokenizer.decode(session.generated)
     frames = [Image.open(io.BytesIO(png_bytes(c, size=(64, 64)))).convert("RGB") for c in colors]
-    expected = streamed_answer(model, processor, frames, [0.0, 1.0, 2.0], "Which colours appear?", 10)
-    assert expected and "".join(m["text"] for m in outputs) == expected
+    assert_stream_equals_cold(model, processor, session, frames)
+    assert processor.tokenizer.decode(session.stream.tokens).count("<|image_pad|>") == 3
 
 
-def test_cli_streams_a_dataset_entry_and_prints_the_answer(tiny_model):
-    checkpoint, model, processor, _ = tiny_model
-    command = [
-        sys.executable,
-        str(SCRIPT),
-        "--checkpoint",
-        str(checkpoint),
-        "--dataset",
-        str(DATASET),
-        "--dataset-index",
-        "1",
-        "--playback-speed",
-        "0",
-        "--max-new-tokens",
-        "8",
-        "--device-map",
-        "cpu",
-        "--dtype",
-        "float32",
-    ]
+def run_cli(checkpoint, *flags) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoint), *flags]
     completed = subprocess.run(
         command, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert "attention implementation: sdpa" in completed.stderr and "fed 2 frames and 1 prompts" in completed.stderr
-    header = "[t=   1.00s] > What changed between the two frames?\n"
-    assert header in completed.stdout
-    printed = completed.stdout.split(header, 1)[1].removesuffix("\n")
-    frames = [Image.open(MEDIA / name).convert("RGB") for name in ("shapes.png", "stop_sign.png")]
-    entry = json.loads(DATASET.read_text().splitlines()[1])
-    assert entry.get("system_prompt") is None
-    assert printed and printed == streamed_answer(
-        model, processor, frames, [0.0, 1.0], "What changed between the two frames?", 8
+    return completed
+
+
+def test_cli_streams_a_dataset_entry_and_renders_rounds_and_silence(tiny_model):
+    checkpoint = tiny_model[0]
+    common = ["--dataset", str(DATASET), "--dataset-index", "1", "--playback-speed", "0", "--max-new-tokens", "8"]
+    common += ["--device-map", "cpu", "--dtype", "float32", "--drain-seconds", "5"]
+    shown = run_cli(checkpoint, *common, "--show-silence")
+    assert "attention implementation: sdpa" in shown.stderr and "fed 2 frames and 1 prompts" in shown.stderr
+    assert "[t=   1.00s] > What changed between the two frames?\n" in shown.stdout
+    assert "\nAssistant: " in shown.stdout and "[silence]" in shown.stdout
+    assert "<|" not in shown.stdout, "control tokens are hidden without --raw-output"
+    raw = run_cli(checkpoint, *common, "--raw-output")
+    assert "<|round_start|>" in raw.stdout and "<|silence|>" in raw.stdout and "[silence]" not in raw.stdout
+
+
+def test_upstream_readme_command_line_runs(tiny_model):
+    """An upstream command line (its flags, including those that only exist upstream) streams a video file."""
+    checkpoint = tiny_model[0]
+    completed = run_cli(
+        checkpoint,
+        "--source",
+        "video",
+        "--video",
+        str(CLIP),
+        "--sample-fps",
+        "2",
+        "--max-frames",
+        "3",
+        "--playback-speed",
+        "0",
+        "--prompt-frame-first",
+        "--max-new-tokens",
+        "8",
+        "--max-tokens-per-second",
+        "200",
+        "--drain-seconds",
+        "3",
+        "--decode-batch-size",
+        "8",
+        "--monitor-index",
+        "1",
+        "--no-realtime-template",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.8",
+        "--repetition-penalty",
+        "1.0",
+        "--attention-backend",
+        "sdpa",
+        "--device-map",
+        "cpu",
+        "--dtype",
+        "float32",
     )
+    assert "fed 3 frames and 0 prompts" in completed.stderr
+    assert "\nAssistant: " in completed.stdout, "the prompt sent with the first frame opens a round"
 
 
 def test_cli_reports_a_missing_camera_clearly():
