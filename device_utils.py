@@ -173,3 +173,20 @@ def describe() -> str:
         f"device={get_device_type()} count={count} names={names} "
         f"default_attn_implementation={get_default_attn_impl()}{visible}"
     )
+
+
+def patch_hf_device_map(device_map: str | dict | None = None) -> str | dict:
+    """The ``device_map`` to hand to ``from_pretrained`` (upstream's helper, same answers): the caller's when given,
+    else the whole model on the first NPU on Ascend, ``"auto"`` on CUDA, ``"cpu"`` otherwise."""
+    if device_map is not None:
+        return device_map
+    return {"npu": "npu:0", "cuda": "auto", "cpu": "cpu"}[get_device_type()]
+
+
+def print_device_info() -> None:
+    """Print the device summary on stdout (upstream's helper, called by its runners before loading a model)."""
+    count = get_device_count()
+    print(f"[device_utils] device_type={get_device_type()} device_count={count}")
+    for index in range(min(count, 4)):
+        print(f"[device_utils]   device {index}: {get_device_name(index)}")
+    print(f"[device_utils] default attn_impl={get_default_attn_impl()}")

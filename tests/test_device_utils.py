@@ -207,3 +207,24 @@ def test_never_installs_a_flash_attn_stub(simulated_npu):
     device_utils.resolve_attn_impl("flash_attention_2")
     device_utils.describe()
     assert "flash_attn" not in sys.modules
+
+
+@pytest.mark.parametrize(
+    ("machine", "expected"), [("simulated_npu", "npu:0"), ("simulated_cuda", "auto"), ("plain_cpu", "cpu")]
+)
+def test_patch_hf_device_map_defaults_per_device_and_keeps_an_explicit_map(request, machine, expected):
+    request.getfixturevalue(machine)
+    assert device_utils.patch_hf_device_map() == expected
+    assert device_utils.patch_hf_device_map("cuda:1") == "cuda:1"
+    explicit = {"": "npu:1"}
+    assert device_utils.patch_hf_device_map(explicit) is explicit
+
+
+def test_print_device_info_lists_the_devices_and_the_attention_default(simulated_npu, capsys):
+    device_utils.print_device_info()
+    assert capsys.readouterr().out.splitlines() == [
+        "[device_utils] device_type=npu device_count=2",
+        "[device_utils]   device 0: Ascend910B (stand-in 0)",
+        "[device_utils]   device 1: Ascend910B (stand-in 1)",
+        "[device_utils] default attn_impl=eager",
+    ]
