@@ -1,4 +1,5 @@
-"""The batched attention core equals the per-request loop, and the opt-in paged NPU decode equals the default.
+"""The batched attention core equals the per-request loop (the NPU primitives and the opt-in paged decode:
+tests/test_npu_attention_core.py).
 
 Oracles: :func:`support.attention.reference_cross_extend` / ``reference_self_extend`` (dense fp32 reference,
 explicit per-row softmax) for both forms, and the per-request loop for the batched form (fp32, 1e-5). Batches mix
@@ -14,17 +15,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fake_torch_npu import installed_fake_torch_npu
 from mossvl_ascend.attention import core
 from mossvl_ascend.attention.core import AttentionLayer, attention, per_request_attention
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
 from support.attention import (
     SCALE,
     Request,
+    batch_metadata,
     build_batch,
-    decode_batch,
     example_requests,
-    reference_attention,
     reference_cross_extend,
     reference_self_extend,
 )
@@ -55,23 +54,6 @@ def mixed_requests():
     ]
 
 
-def extend_metadata(batch):
-    boundaries = [
-        None
-        if not (r.encoder_len and r.extend_len)
-        else torch.tensor(
-            [sum(r.spans[:c]) for c in r.visible_frame_counts[r.prefix_len : r.text_len]], dtype=torch.int32
-        )
-        for r in batch.requests
-    ]
-    return ForwardAttentionMetadata.build(
-        [r.extend_len for r in batch.requests],
-        [r.prefix_len for r in batch.requests],
-        [r.encoder_len for r in batch.requests],
-        boundaries,
-    )
-
-
 def run(fn, batch, metadata, cross, logit_cap=0.0):
     layer = AttentionLayer(cross, SCALE, not cross, logit_cap)
     return fn(batch.query, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices, metadata, layer)
@@ -82,7 +64,7 @@ def run(fn, batch, metadata, cross, logit_cap=0.0):
 @pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
 def test_batched_equals_per_request_and_reference(cross, heads, logit_cap):
     batch = build_batch(mixed_requests(), *heads)
-    metadata = extend_metadata(batch)
+    metadata = batch_metadata(batch)
     batched = run(attention, batch, metadata, cross, logit_cap)
     looped = run(per_request_attention, batch, metadata, cross, logit_cap)
     reference = (reference_cross_extend if cross else reference_self_extend)(batch, SCALE, logit_cap)
@@ -116,7 +98,7 @@ def test_fresh_prefills_run_the_kernels_causal_flag_and_match_the_reference(head
     ]
     batch = build_batch(requests, *heads)
     with KernelCalls() as kernel:
-        out = run(attention, batch, extend_metadata(batch), cross=False)
+        out = run(attention, batch, batch_metadata(batch), cross=False)
     assert kernel.calls == [(True, False)]
     torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
 
@@ -135,7 +117,7 @@ def test_fresh_prefills_through_the_causal_flag_within_the_precision_budget(dtyp
     batch = dataclasses.replace(
         batch, query=batch.query.to(dtype), k_cache=batch.k_cache.to(dtype), v_cache=batch.v_cache.to(dtype)
     )
-    out = run(attention, batch, extend_metadata(batch), cross=False)
+    out = run(attention, batch, batch_metadata(batch), cross=False)
     assert out.dtype == dtype
     for i, request in enumerate(requests):
         text_slots = batch.slots[i][request.encoder_len :]
@@ -156,7 +138,7 @@ def test_a_cached_prefix_in_the_call_keeps_the_mask():
     requests = [Request(spans=[], prefix_len=0, extend_len=7), Request(spans=[], prefix_len=5, extend_len=4)]
     batch = build_batch(requests)
     with KernelCalls() as kernel:
-        out = run(attention, batch, extend_metadata(batch), cross=False)
+        out = run(attention, batch, batch_metadata(batch), cross=False)
     assert kernel.calls == [(False, True)]
     torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
 
@@ -193,48 +175,18 @@ def test_building_a_forwards_tables_takes_as_many_ops_for_16_requests_as_for_one
 
 def test_groups_are_built_once_per_forward():
     batch = build_batch(mixed_requests())
-    metadata = extend_metadata(batch)
+    metadata = batch_metadata(batch)
     run(attention, batch, metadata, cross=False)
     first = metadata._cache[("groups", False)]
     run(attention, batch, metadata, cross=False)
     assert metadata._cache[("groups", False)] is first
 
 
-@pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
-def test_opt_in_paged_decode_equals_default_through_the_stand_in(cross, monkeypatch):
-    """MOSSVL_NPU_PAGED_ATTENTION=1: decode straight from the (page size 1) pool through the STAND-IN FIA."""
-    batch = decode_batch((4, 2))
-    metadata = ForwardAttentionMetadata.for_decode(
-        [r.text_len for r in batch.requests], [r.encoder_len for r in batch.requests], "cpu"
-    )
-    default = run(attention, batch, metadata, cross)
-    calls = []
-    with installed_fake_torch_npu() as torch_npu:
-        fused = torch_npu.npu_fused_infer_attention_score
-
-        def recording(*args, **kwargs):
-            calls.append(kwargs)
-            return fused(*args, **kwargs)
-
-        torch_npu.npu_fused_infer_attention_score = recording
-        monkeypatch.setenv("MOSSVL_NPU_PAGED_ATTENTION", "1")
-        monkeypatch.setattr(core, "PAGED_ATTENTION_DEVICES", ("cpu",))
-        paged = run(attention, batch, metadata, cross)
-    assert len(calls) == 1 and calls[0]["block_table"] is not None
-    torch.testing.assert_close(paged, default, atol=1e-5, rtol=1e-5)
-    for i, req in enumerate(batch.requests):
-        keys, values = (batch.encoder_k[i], batch.encoder_v[i]) if cross else (batch.text_k[i], batch.text_v[i])
-        expected = reference_attention(
-            batch.query[i : i + 1], keys, values, torch.ones(1, keys.shape[0], dtype=torch.bool), SCALE
-        )
-        torch.testing.assert_close(paged[i : i + 1], expected, atol=1e-5, rtol=1e-5)
-
-
 def test_gather_budget_splits_the_batch_and_keeps_the_result(monkeypatch):
     """A call's gathered K/V is bounded per device: a small budget gives several calls, the same numbers."""
     batch = build_batch(mixed_requests())
     monkeypatch.setitem(core.GATHER_BUDGET_BYTES, "cpu", 16 * 2 * (2 * 8) * 4)  # 16 padded keys (K + V, fp32)
-    metadata = extend_metadata(batch)
+    metadata = batch_metadata(batch)
     out = run(attention, batch, metadata, cross=False)
     assert len(metadata._cache[("groups", False)]) >= 3
     torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
@@ -256,26 +208,12 @@ def test_default_path_reads_no_device_value_on_the_host(cross):
     reading a device value on the host (``aten._local_scalar_dense``, behind ``int()`` / ``.item()``), which would
     be a device sync per request on an NPU; the result still equals the dense reference."""
     batch = build_batch(one_row_extend_requests())
-    metadata = extend_metadata(batch)
+    metadata = batch_metadata(batch)
     with OpCounter() as counter:
         out = run(attention, batch, metadata, cross)
     assert "_local_scalar_dense" not in counter.names
     reference = (reference_cross_extend if cross else reference_self_extend)(batch, SCALE)
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
-def test_opt_in_paged_one_row_extends_respect_each_rows_visibility(cross, monkeypatch):
-    """One-row extends in a mixed batch (a row seeing the first frame only, one seeing none, one seeing all, one
-    without an encoder) go through the paged call with KV lengths read on the host: equal to the dense reference."""
-    batch = build_batch(one_row_extend_requests())
-    metadata = extend_metadata(batch)
-    with installed_fake_torch_npu():
-        monkeypatch.setenv("MOSSVL_NPU_PAGED_ATTENTION", "1")
-        monkeypatch.setattr(core, "PAGED_ATTENTION_DEVICES", ("cpu",))
-        paged = run(attention, batch, metadata, cross)
-    reference = (reference_cross_extend if cross else reference_self_extend)(batch, SCALE)
-    torch.testing.assert_close(paged, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_gather_workspace_returns_the_rows_and_reuses_its_buffer():

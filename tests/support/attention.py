@@ -161,22 +161,53 @@ def build_batch(requests, num_heads=4, num_kv_heads=2, seed=0) -> Batch:
     free_slots = (torch.randperm(POOL_SLOTS - 1, generator=gen) + 1).tolist()
     req_pool_indices = torch.randperm(len(requests) + 2, generator=gen)[: len(requests)]
     req_to_token = torch.zeros(len(requests) + 2, 64, dtype=torch.int32)
-    slots, encoder_k, encoder_v, text_k, text_v = [], [], [], [], []
+    slots = []
     for req, pool_idx in zip(requests, req_pool_indices.tolist()):
         n = req.encoder_len + req.text_len
         req_slots = torch.tensor([free_slots.pop() for _ in range(n)])
         req_to_token[pool_idx, :n] = req_slots.int()
         slots.append(req_slots)
+    query = torch.randn(sum(r.extend_len for r in requests), num_heads, HEAD_DIM, generator=gen)
+    return _batch_over_slots(requests, req_pool_indices, req_to_token, k_cache, v_cache, query, slots)
+
+
+def build_paged_batch(requests, num_heads, num_kv_heads, head_dim, dtype, page_size, seed=0) -> Batch:
+    """Random K/V (rounded to ``dtype``) laid out as the NPU pool holds them: each request owns whole pages
+    (distinct, shuffled, slot 0 never used) from column 0 of its req_to_token row, position j at slot
+    ``page[j // page_size] * page_size + j % page_size``; the rest of the pool is noise. ``page_size`` 1 is a plain
+    shuffled pool."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_request = [-(-(r.encoder_len + r.text_len) // page_size) for r in requests]
+    num_pages = sum(pages_per_request) + 3
+    k_cache = torch.randn(num_pages * page_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_pages * page_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    free_pages = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    req_pool_indices = torch.randperm(len(requests) + 2, generator=gen)[: len(requests)]
+    width = max(64, max(pages_per_request) * page_size)
+    req_to_token = torch.zeros(len(requests) + 2, width, dtype=torch.int32)
+    slots = []
+    for req, pool_idx, pages in zip(requests, req_pool_indices.tolist(), pages_per_request):
+        n = req.encoder_len + req.text_len
+        owned = torch.tensor([free_pages.pop() for _ in range(pages)])
+        req_slots = (owned[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
+        req_to_token[pool_idx, :n] = req_slots.int()
+        slots.append(req_slots)
+    query = torch.randn(sum(r.extend_len for r in requests), num_heads, head_dim, generator=gen).to(dtype)
+    return _batch_over_slots(requests, req_pool_indices, req_to_token, k_cache, v_cache, query, slots)
+
+
+def _batch_over_slots(requests, req_pool_indices, req_to_token, k_cache, v_cache, query, slots) -> Batch:
+    """The batch, with each request's encoder and text K/V copied out of the pool for the references."""
+    encoder_k, encoder_v, text_k, text_v = [], [], [], []
+    for req, req_slots in zip(requests, slots):
         encoder_k.append(k_cache[req_slots[: req.encoder_len]].clone())
         encoder_v.append(v_cache[req_slots[: req.encoder_len]].clone())
         text_k.append(k_cache[req_slots[req.encoder_len :]].clone())
         text_v.append(v_cache[req_slots[req.encoder_len :]].clone())
-    total_new = sum(r.extend_len for r in requests)
-    query = torch.randn(total_new, num_heads, HEAD_DIM, generator=gen)
     return Batch(
         requests,
-        num_heads,
-        num_kv_heads,
+        query.shape[1],
+        k_cache.shape[1],
         req_pool_indices,
         req_to_token,
         k_cache,
@@ -187,6 +218,25 @@ def build_batch(requests, num_heads=4, num_kv_heads=2, seed=0) -> Batch:
         text_v,
         query,
         slots,
+    )
+
+
+def batch_metadata(batch):
+    """The per-forward metadata of an extend (or decode) batch: each request's new rows see the encoder prefix of
+    their visible-frame counts; a request without counts (decode) sees every frame."""
+    from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
+
+    boundaries = []
+    for r in batch.requests:
+        counts = r.visible_frame_counts[r.prefix_len : r.text_len]
+        boundaries.append(
+            torch.tensor([sum(r.spans[:c]) for c in counts], dtype=torch.int32) if r.encoder_len and counts else None
+        )
+    return ForwardAttentionMetadata.build(
+        [r.extend_len for r in batch.requests],
+        [r.prefix_len for r in batch.requests],
+        [r.encoder_len for r in batch.requests],
+        boundaries,
     )
 
 

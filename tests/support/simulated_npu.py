@@ -8,14 +8,25 @@
 * ``sgl_kernel_npu`` is installed broken: ``sgl_kernel_npu.norm`` raises
   ``ModuleNotFoundError: No module named 'triton.language.extra.cann'`` like a kernel built for triton-ascend
   >= 3.2.1 on 3.2.0.
+
+In-process, :func:`npu_attention_on_cpu` runs the attention core on CPU tensors through its NPU primitives and the
+STAND-IN ``torch_npu`` of tests/fake_torch_npu.py, and :class:`HostReads` counts what would read device values on
+the host (or copy host data to the device) while it is active.
 """
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from fake_torch_npu import installed_fake_torch_npu
+from mossvl_ascend.attention import core, primitives
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,3 +148,78 @@ def run_simulated_npu(tmp_path, imports, register_plugin, torch_npu_patch_api="a
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("REPORT") :])
+
+
+# aten ops that read a device value on the host (a sync per call on an NPU), or copy host data to the device.
+_HOST_READ_OPS = {"_local_scalar_dense", "equal", "nonzero", "_unique2", "masked_select", "is_nonzero"}
+_HOST_COPY_OPS = {"lift_fresh"}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts host reads (``.item()``, ``int()``/``bool()`` of a tensor, ``torch.equal``, ``nonzero``, and
+    ``.tolist()``, which no dispatch mode sees: it is wrapped while active) and host-to-device copies
+    (``torch.tensor`` / ``as_tensor`` of host data) run while active, outside :meth:`paused` spans."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+        self.copies: list[str] = []
+        self._paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self._paused and name in _HOST_READ_OPS:
+            self.reads.append(name)
+        if not self._paused and name in _HOST_COPY_OPS:
+            self.copies.append(name)
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        counter, tolist = self, torch.Tensor.tolist
+
+        def counted_tolist(tensor):
+            if not counter._paused:
+                counter.reads.append("tolist")
+            return tolist(tensor)
+
+        torch.Tensor.tolist = counted_tolist  # shadows the C method until __exit__
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        del torch.Tensor.tolist
+        return super().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """What runs inside (the stand-in of a device kernel) is not counted."""
+        self._paused = True
+        try:
+            with _disable_current_modes():
+                yield
+        finally:
+            self._paused = False
+
+
+@contextlib.contextmanager
+def npu_attention_on_cpu(monkeypatch, *, paged=False, host_reads: HostReads | None = None):
+    """The attention core on CPU tensors through the NPU primitives: the CPU's fused primitive is the NPU one
+    (``FUSED_ATTENTION_BY_DEVICE``, with its lengths-taking form), the op it calls is the strict STAND-IN FIA, and
+    with ``paged`` the opt-in paged decode (``MOSSVL_NPU_PAGED_ATTENTION=1``) is on. Yields the FIA calls, each its
+    keyword arguments plus ``query_shape``; the stand-in runs outside ``host_reads``' count."""
+    calls = []
+    with installed_fake_torch_npu(float32_kv_cache=False) as torch_npu:
+        stand_in = torch_npu.npu_fused_infer_attention_score
+
+        def recorded(query, key, value, **kwargs):
+            calls.append(dict(kwargs, query_shape=tuple(query.shape)))
+            if host_reads is None:
+                return stand_in(query, key, value, **kwargs)
+            with host_reads.paused():
+                return stand_in(query, key, value, **kwargs)
+
+        torch_npu.npu_fused_infer_attention_score = recorded
+        monkeypatch.setitem(primitives.FUSED_ATTENTION_BY_DEVICE, "cpu", primitives.FUSED_ATTENTION_BY_DEVICE["npu"])
+        if paged:
+            monkeypatch.setenv("MOSSVL_NPU_PAGED_ATTENTION", "1")
+            monkeypatch.setattr(core, "PAGED_ATTENTION_DEVICES", ("cpu",))
+        yield calls

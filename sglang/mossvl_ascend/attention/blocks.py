@@ -114,11 +114,24 @@ class FrameCausalPlan:
     ``order`` sorts rows by boundary (stable), None when they already are (the usual prompt, no
     gather needed); ``sorted_boundaries`` is ``boundaries[order]`` (int64); rows with boundary 0
     are in no block and stay zero. The blocks cover every visible (row, key) pair exactly once.
+    ``largest_boundary`` is the last sorted boundary as a host int (layers check it without a device read).
     """
 
     order: torch.Tensor | None
     sorted_boundaries: torch.Tensor
     blocks: tuple[Block, ...]
+    largest_boundary: int = 0
+
+    @property
+    def uniform_boundary(self) -> int | None:
+        """The boundary every row sees when they all see the same one (0: no row sees a frame), else None; from
+        the host-side blocks, no device read."""
+        if not self.blocks:
+            return 0
+        first = self.blocks[0]
+        if len(self.blocks) == 1 and not first.masked and first.row_start == 0:
+            return first.key_end
+        return None
 
 
 def _cover_staircase(
@@ -161,7 +174,7 @@ def plan_frame_causal_blocks(boundaries: torch.Tensor, leaf_rows: int = LEAF_ROW
         blocks.append(Block(first_seen, len(sorted_list), 0, largest, masked=masked))
     else:
         _cover_staircase(sorted_list, first_seen, len(sorted_list), 0, max(1, leaf_rows), blocks)
-    return FrameCausalPlan(order=order, sorted_boundaries=sorted_boundaries, blocks=tuple(blocks))
+    return FrameCausalPlan(order, sorted_boundaries, tuple(blocks), largest)
 
 
 def frame_causal_cross_attention(
@@ -185,8 +198,8 @@ def frame_causal_cross_attention(
         raise ValueError(f"{boundaries.numel()} boundaries for {q_len} query rows")
     if plan is None:
         plan = plan_frame_causal_blocks(boundaries)
-    if q_len and int(plan.sorted_boundaries[-1]) > k.shape[1]:
-        raise ValueError(f"boundary {int(plan.sorted_boundaries[-1])} beyond encoder length {k.shape[1]}")
+    if plan.largest_boundary > k.shape[1]:
+        raise ValueError(f"boundary {plan.largest_boundary} beyond encoder length {k.shape[1]}")
     order = None if plan.order is None else plan.order.to(q.device)
     q_sorted = q if order is None else q.index_select(1, order)
     sorted_boundaries = plan.sorted_boundaries.to(q.device)

@@ -6,11 +6,14 @@ All requests of a batch go through a few calls of the device primitive per layer
   the KV pool through a padded slot table (each request's text slots behind its encoder), a mask that is causal
   with each request's cached prefix and cuts every request at its own length; when no request of the call has a
   cached prefix (fresh prefills), its rows and keys start together and the primitive's own causal flag replaces
-  the mask (on the CPU the kernel then skips the blocks above the diagonal: about 2x at 2048 rows);
+  the mask (on the CPU the kernel then skips the blocks above the diagonal: about 2x at 2048 rows). On devices
+  whose primitive takes per-request lengths (the NPU) no mask is built at all: each request's rows, keys and
+  cached prefix go as lengths, and the causal limit as the op's compressed causal mode;
 - cross-attention: requests whose visibility is one rectangle or one small staircase (decode, an image, a short
   prompt) go together through one masked call over their encoder slots; a request with a long staircase (a video
   with many text rows, several images) is computed by its block plan (:mod:`mossvl_ascend.attention.blocks`),
-  whose cost is arithmetic, not per-call overhead.
+  whose cost is arithmetic, not per-call overhead. Requests whose rows see no frame are in no call (their output
+  stays zero). With lengths, a group whose requests' rows each see one encoder prefix needs no mask either.
 
 K/V rows are gathered into reused buffers (:class:`GatherWorkspace`), not into a fresh tensor per call.
 Padding is bounded: requests are sorted by key length and split into a few buckets so that the padded
@@ -21,8 +24,8 @@ that see no key are zero).
 
 Opt-in on an NPU (``MOSSVL_NPU_PAGED_ATTENTION=1``, off by default until it has run on an Ascend card):
 one-row groups (decode) read K/V in place from the paged pool through a block table and per-request KV
-lengths (``torch_npu.npu_fused_infer_attention_score``), no gather. Checked on CPU only, against the
-STAND-IN of that op in ``tests/fake_torch_npu.py``.
+lengths (``torch_npu.npu_fused_infer_attention_score``), no gather; the tables are built once per forward.
+Checked on CPU only, against the STAND-IN of that op in ``tests/fake_torch_npu.py``.
 
 Tensors: query/output ``[num_tokens, num_heads, head_dim]`` packed in batch order; ``k_cache``/``v_cache``
 ``[pool_slots, num_kv_heads, head_dim]``; ``req_to_token`` ``[pool_rows, max_context]`` int.
@@ -40,7 +43,12 @@ import torch
 
 from mossvl_ascend.attention.blocks import LEAF_ROWS, frame_causal_cross_attention
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
-from mossvl_ascend.attention.primitives import attention_with_lse, npu_paged_attention_with_lse
+from mossvl_ascend.attention.primitives import (
+    BatchLengths,
+    attention_with_lse,
+    npu_paged_attention_with_lse,
+    takes_lengths,
+)
 
 # A call's padded rows x keys may exceed its useful rows x keys by this factor before the batch is split.
 PADDING_LIMIT = 2.0
@@ -108,7 +116,9 @@ class PaddedGroup:
     row sees every key (decode over equal lengths, decided on the host) or when ``causal_from_first_key``: no
     member has a cached prefix, so new row r of every request sees exactly its keys 0..r (padding rows, which see
     padding keys, are discarded). ``output_rows`` / ``padded_rows`` map the real rows between the packed and the
-    padded layout.
+    padded layout. ``lengths`` (host): each request's new rows and the keys it sees (self-attention: its text;
+    cross-attention: the prefix all its rows see, else its encoder). ``by_lengths``: the device's primitive takes
+    them, so ``visible`` exists only where they cannot say it (cross-attention rows seeing different prefixes).
     """
 
     requests: tuple[int, ...]
@@ -119,7 +129,20 @@ class PaddedGroup:
     visible: torch.Tensor | None
     output_rows: torch.Tensor
     padded_rows: torch.Tensor
+    lengths: BatchLengths
     causal_from_first_key: bool = False
+    by_lengths: bool = False
+
+
+@dataclass(frozen=True)
+class PagedTables:
+    """One-row group's paged call, built once per forward: ``block_table`` int32 ``[B, blocks]``, ``kv_ends``
+    (host ints, where each request's keys end in its slots), ``masked_out`` ``[B, 1, 1, blocks * page_size]`` True
+    over the encoder in front of self-attention's text (None when no request has one)."""
+
+    block_table: torch.Tensor
+    kv_ends: list[int]
+    masked_out: torch.Tensor | None
 
 
 def attention(
@@ -199,24 +222,30 @@ def _groups(metadata, req_to_token, req_pool_indices, is_cross: bool, k_cache, v
     budget = GATHER_BUDGET_BYTES.get(k_cache.device.type)
     bytes_per_key = k_cache.stride(0) * k_cache.element_size() + v_cache.stride(0) * v_cache.element_size()
     max_keys = None if budget is None else max(1, budget // bytes_per_key)
-    build = functools.partial(_build_groups, metadata, req_to_token, req_pool_indices, is_cross, max_keys)
+    by_lengths = takes_lengths(k_cache.device.type)
+    build = functools.partial(_build_groups, metadata, req_to_token, req_pool_indices, is_cross, max_keys, by_lengths)
     return metadata.cached(("groups", is_cross), build)
 
 
-def _build_groups(metadata, req_to_token, req_pool_indices, is_cross: bool, max_keys=None) -> list[PaddedGroup]:
+def _build_groups(
+    metadata, req_to_token, req_pool_indices, is_cross: bool, max_keys=None, by_lengths=False
+) -> list[PaddedGroup]:
     if is_cross:
         staircase = set(_staircase_requests(metadata))
         members = [
             i
             for i in range(metadata.batch_size)
-            if metadata.encoder_lens[i] and metadata.extend_lens[i] and i not in staircase
+            if metadata.encoder_lens[i]
+            and metadata.extend_lens[i]
+            and i not in staircase
+            and metadata.uniform_boundaries[i] != 0
         ]
         key_lens = metadata.encoder_lens
     else:
         members = [i for i in range(metadata.batch_size) if metadata.extend_lens[i]]
         key_lens = metadata.seq_lens
     return [
-        _padded_group(metadata, req_to_token, req_pool_indices, bucket, is_cross)
+        _padded_group(metadata, req_to_token, req_pool_indices, bucket, is_cross, by_lengths)
         for bucket in _length_buckets(members, metadata.extend_lens, key_lens, max_keys)
     ]
 
@@ -241,7 +270,9 @@ def _length_buckets(members: list[int], row_lens: list[int], key_lens: list[int]
     return buckets
 
 
-def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], is_cross: bool) -> PaddedGroup:
+def _padded_group(
+    metadata, req_to_token, req_pool_indices, members: list[int], is_cross: bool, by_lengths: bool = False
+) -> PaddedGroup:
     """One call's padded tables, built with a fixed number of ops whatever the group size and with no device
     sync: the per-request integers go to the device in one copy, and everything else is derived there."""
     device = req_to_token.device
@@ -283,8 +314,11 @@ def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], 
     if is_cross:
         sees_all_keys = sees_all_keys and all(metadata.cross_boundaries[i] is None for i in members)
     causal_from_first_key = not is_cross and not any(metadata.prefix_lens[i] for i in members)
+    uniform = [metadata.uniform_boundaries[i] for i in members] if is_cross else []
+    seen_keys = [keys if bound is None else bound for bound, keys in zip(uniform, key_lens)] or key_lens
+    needs_mask = (is_cross and None in uniform) if by_lengths else not (sees_all_keys or causal_from_first_key)
     visible = None
-    if not (sees_all_keys or causal_from_first_key):
+    if needs_mask:
         keys = key_offsets[:, None, :]  # [1, 1, max_keys]
         if is_cross:
             visible = keys < _padded_boundaries(metadata, members, key_lens_t, max_rows, device)[:, :, None]
@@ -301,7 +335,9 @@ def _padded_group(metadata, req_to_token, req_pool_indices, members: list[int], 
         visible,
         output_rows,
         padded_rows,
+        BatchLengths(tuple(row_lens), tuple(seen_keys)),
         causal_from_first_key,
+        by_lengths,
     )
 
 
@@ -320,15 +356,6 @@ def _padded_boundaries(metadata, members: list[int], encoder_lens: torch.Tensor,
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
-def _row_key_ends(metadata, requests: tuple[int, ...], is_cross: bool) -> list[int]:
-    """Where each one-row request stops seeing keys in its slots: the paged call's KV lengths, from host metadata.
-    Only the paged call asks: a request with its own boundaries costs a device read (``int(bounds[0])``)."""
-    if not is_cross:
-        return [metadata.encoder_lens[i] + metadata.seq_lens[i] for i in requests]
-    bounds = [metadata.cross_boundaries[i] for i in requests]
-    return [metadata.encoder_lens[i] if b is None else int(b[0]) for i, b in zip(requests, bounds)]
-
-
 def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer: AttentionLayer, slot_map) -> None:
     """One primitive call for every request of the group; writes their rows of ``output``."""
     batch, max_rows = group.query_index.shape
@@ -336,8 +363,9 @@ def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer:
     q = query[group.query_index].permute(0, 2, 1, 3)  # [B, Hq, rows, D]
     k = GATHER_WORKSPACE.gather("k", k_cache, slots).to(query.dtype).permute(0, 2, 1, 3)  # [B, Hk, keys, D]
     v = GATHER_WORKSPACE.gather("v", v_cache, slots).to(query.dtype).permute(0, 2, 1, 3)
-    visible = group.visible
-    if not (layer.is_cross_attention or layer.causal):  # encoder-only self-attention: lengths only
+    visible, lengths = group.visible, (group.lengths if group.by_lengths else None)
+    self_causal = layer.causal and not layer.is_cross_attention
+    if not (layer.is_cross_attention or layer.causal or lengths):  # encoder-only self-attention: lengths only
         visible = (torch.arange(slots.shape[1], device=query.device) < group.key_lens[:, None])[:, None, None]
     out, _ = attention_with_lse(
         q,
@@ -345,9 +373,10 @@ def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer:
         v,
         layer.scale,
         visible=visible,
+        lengths=lengths,
         logit_cap=layer.logit_cap,
-        every_row_sees_a_key=layer.causal and not layer.is_cross_attention,
-        causal=layer.causal and group.causal_from_first_key,
+        every_row_sees_a_key=self_causal,
+        causal=self_causal and (group.causal_from_first_key or lengths is not None),
     )
     out = out.permute(0, 2, 1, 3).reshape(batch * max_rows, out.shape[1], -1)
     output[group.output_rows] = out[group.padded_rows]
@@ -359,7 +388,9 @@ def _staircase_attention(
     """One request's cross-attention by its block plan (long staircases: videos, several images)."""
     start = sum(metadata.extend_lens[:index])
     rows = slice(start, start + metadata.extend_lens[index])
-    slots = req_to_token[req_pool_indices[index], : metadata.encoder_lens[index]].long()
+    slots = metadata.cached(
+        ("staircase slots", index), lambda: _encoder_slots(req_to_token, req_pool_indices, metadata, index)
+    )
     if slot_map is not None:
         slots = slot_map[slots]
     key = GATHER_WORKSPACE.gather("k", k_cache, slots).to(query.dtype).movedim(0, 1)
@@ -376,6 +407,12 @@ def _staircase_attention(
     output[rows] = out.movedim(0, 1)
 
 
+def _encoder_slots(req_to_token, req_pool_indices, metadata, index: int) -> torch.Tensor:
+    """Request ``index``'s encoder slots, read once per forward (a 1-element slice keeps the pool row on the
+    device: indexing with a 0-d tensor would read it on the host)."""
+    return req_to_token[req_pool_indices[index : index + 1], : metadata.encoder_lens[index]][0].long()
+
+
 def _paged_attention_enabled(device: torch.device) -> bool:
     return device.type in PAGED_ATTENTION_DEVICES and os.environ.get("MOSSVL_NPU_PAGED_ATTENTION") == "1"
 
@@ -385,23 +422,36 @@ def _paged_group_attention(
 ):
     """One-row group straight from the paged pool: block table over each request's slots up to the end of its
     keys, the encoder in front of self-attention's text masked out, no K/V gather."""
-    device = query.device
-    ends = _row_key_ends(metadata, group.requests, layer.is_cross_attention)
-    max_end = max(ends)
-    blocks = -(-max_end // page_size)
+    is_cross = layer.is_cross_attention
+    build = functools.partial(_paged_tables, metadata, group, req_to_token, req_pool_indices, is_cross, page_size)
+    tables = metadata.cached(("paged", is_cross, group.requests, page_size), build)
+    q = query[group.query_index].permute(0, 2, 1, 3)
+    out, _ = npu_paged_attention_with_lse(
+        q,
+        k_cache.view(-1, page_size, k_cache.shape[1] * k_cache.shape[2]),
+        v_cache.view(-1, page_size, v_cache.shape[1] * v_cache.shape[2]),
+        layer.scale,
+        block_table=tables.block_table,
+        block_size=page_size,
+        kv_ends=tables.kv_ends,
+        masked_out=tables.masked_out,
+    )
+    output[group.query_index[:, 0]] = out[:, :, 0]
+
+
+def _paged_tables(metadata, group, req_to_token, req_pool_indices, is_cross: bool, page_size: int) -> PagedTables:
+    """The block table (the page of every ``page_size``-th slot of each request's row), the KV ends from host
+    metadata (self-attention: encoder + text; cross-attention: the prefix its row sees, never 0: such requests are
+    in no group, so no table is empty) and the encoder mask of self-attention."""
+    device = req_to_token.device
+    starts = [0 if is_cross else metadata.encoder_lens[i] for i in group.requests]
+    ends = [start + keys for start, keys in zip(starts, group.lengths.keys)]
+    blocks = -(-max(ends) // page_size)
     columns = (torch.arange(blocks, device=device) * page_size).clamp_(max=req_to_token.shape[1] - 1)
     pool_rows = req_pool_indices[list(group.requests)].to(device).long()
     block_table = (req_to_token[pool_rows[:, None], columns] // page_size).to(torch.int32)
-    q = query[group.query_index].permute(0, 2, 1, 3)
-    pages_shape = (-1, page_size, k_cache.shape[1] * k_cache.shape[2])
-    out, _ = npu_paged_attention_with_lse(
-        q,
-        k_cache.view(pages_shape),
-        v_cache.view(-1, page_size, v_cache.shape[1] * v_cache.shape[2]),
-        layer.scale,
-        block_table=block_table,
-        block_size=page_size,
-        kv_ends=ends,
-        hidden_prefix=group.key_starts,
-    )
-    output[group.query_index[:, 0]] = out[:, :, 0]
+    masked_out = None
+    if any(starts):
+        positions = torch.arange(blocks * page_size, device=device)
+        masked_out = (positions[None, :] < group.key_starts[:, None]).view(len(ends), 1, 1, -1)
+    return PagedTables(block_table, ends, masked_out)

@@ -136,6 +136,15 @@ class ForwardAttentionMetadata:
         """Text tokens per request after this forward (cached prefix + new rows); computed once per forward."""
         return [p + q for p, q in zip(self.prefix_lens, self.extend_lens)]
 
+    @functools.cached_property
+    def uniform_boundaries(self) -> list[int | None]:
+        """Per request, a host int: the encoder prefix all its new rows see (0: none sees a frame; the encoder
+        length: every frame), or None when its rows see different ones. From the plans: no device read."""
+        return [
+            encoder_len if plan is None else plan.uniform_boundary
+            for plan, encoder_len in zip(self.plans, self.encoder_lens)
+        ]
+
     def cached(self, key, build):
         """``build()`` once per forward under ``key``; every later layer gets the same object."""
         if key not in self._cache:

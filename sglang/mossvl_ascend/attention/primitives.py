@@ -5,19 +5,27 @@ Every attention the core runs goes through :func:`attention_with_lse`:
 - CPU: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` (the kernel behind CPU SDPA; it returns
   the fp32 logsumexp next to the output, at SDPA speed, and handles GQA itself);
 - NPU: ``torch_npu.npu_fused_infer_attention_score`` with ``softmax_lse_flag=True`` (layout BNSD,
-  ``num_key_value_heads`` for GQA, ``atten_mask`` True = masked out, the LSE comes back as ``[B, N, S, 1]`` fp32);
-  written to the torch_npu documentation and checked on CPU against the STAND-IN in ``tests/fake_torch_npu.py``
-  only: it has not run on an Ascend card;
+  ``num_key_value_heads`` for GQA, the LSE comes back as ``[B, N, S, 1]`` fp32). It takes per-entry lengths
+  (``actual_seq_lengths`` / ``actual_seq_lengths_kv``) and a causal limit after each entry's cached prefix
+  (``sparse_mode=3`` with the op's compressed 2048 x 2048 mask, one per device, as stock sglang passes it), so
+  padded and causal calls send no rows x keys mask; only visibility lengths cannot express (per-row frame
+  boundaries) goes as ``atten_mask`` (True = masked out). Written to the torch_npu documentation and checked on
+  CPU against the STAND-IN in ``tests/fake_torch_npu.py`` only: it has not run on an Ascend card;
 - anything else, softcapped logits (no fused op has a softcap and an LSE) and value dims unequal to the query
   dim: plain torch with explicit fp32 scores, in row chunks so the score matrix stays bounded.
 
 Conventions: q ``[B, Hq, L, D]``; k ``[B, Hk, S, D]``; v ``[B, Hk, S, Dv]`` (Hq a multiple of Hk, query head h
 reads KV head ``h // (Hq / Hk)``); ``visible`` bool broadcastable to ``[B, 1, L, S]``, **True = attend** (torch
-SDPA's convention; the NPU call inverts it). Returns (out ``[B, Hq, L, Dv]`` in q's dtype, lse fp32 ``[B, Hq, L]``).
-A row that sees no key gets out 0 and lse -inf, on every device, so an LSE merge gives it zero weight.
+SDPA's convention; the NPU call inverts it); ``lengths`` (:class:`BatchLengths`, host ints) the real rows and keys
+of each batch entry. Returns (out ``[B, Hq, L, Dv]`` in q's dtype, lse fp32 ``[B, Hq, L]``). A row that sees no key
+gets out 0 and lse -inf, on every device, so an LSE merge gives it zero weight.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -31,6 +39,17 @@ _FOLD_MAX_ROWS = 16
 # 768 rows on, 64 or 32 below), so a 192-767-row block of the frame-causal plan reaches the large tile when
 # folded (512 x 5590 block, 8:2 heads: 27 -> 23 ms, benchmarks/bench_cross_attention.py); above it, no gain.
 _KERNEL_LARGE_TILE_ROWS = 768
+# The side of the compressed causal mask the Ascend fused op takes with sparse_mode 2/3/4 (torch_npu docs).
+NPU_COMPRESSED_MASK_SIZE = 2048
+
+
+@dataclass(frozen=True)
+class BatchLengths:
+    """Per batch entry, host ints: its real query rows (the first ``queries[b]``; later rows are padding, with any
+    output) and the keys it may see (the first ``keys[b]``; with ``causal``, ``keys[b] >= queries[b]``)."""
+
+    queries: tuple[int, ...]
+    keys: tuple[int, ...]
 
 
 def attention_with_lse(
@@ -40,6 +59,7 @@ def attention_with_lse(
     scale: float,
     *,
     visible: torch.Tensor | None = None,
+    lengths: BatchLengths | None = None,
     logit_cap: float = 0.0,
     every_row_sees_a_key: bool = False,
     causal: bool = False,
@@ -48,33 +68,62 @@ def attention_with_lse(
 
     ``every_row_sees_a_key``: the caller guarantees no row of ``visible`` is all False (causal self-attention,
     where a row sees at least itself), which skips the blind-row fix-up: fewer ops per layer call.
-    ``causal``: row r sees keys 0..r only (rows and keys start together), and ``visible`` must be None. The CPU
-    kernel applies it itself and skips the key blocks above the diagonal; elsewhere it becomes a ``visible`` mask.
+    ``causal``: each entry's rows end at its last key, row r of L sees keys ``<= r + S - L`` (S, L: the entry's
+    keys and rows from ``lengths``, else the call's), so rows after a cached prefix see it; ``visible`` must be
+    None. With rows == keys it is the top-left causal mask, which the CPU kernel applies itself (skipping the key
+    blocks above the diagonal); the NPU op takes it as its compressed causal mode; elsewhere it becomes a mask.
+    ``lengths``: devices whose primitive takes them (:func:`takes_lengths`) get them as they are; elsewhere they
+    become part of the ``visible`` mask.
     """
     batch, num_heads, rows, _ = q.shape
     if k.shape[2] == 0 or rows == 0:
         out = q.new_zeros(batch, num_heads, rows, v.shape[-1])
         return out, torch.full((batch, num_heads, rows), float("-inf"), device=q.device)
-    if causal:
-        if q.device.type == "cpu" and not logit_cap and q.shape[-1] == v.shape[-1]:
-            return cpu_attention_with_lse(q, k, v, scale, causal=True)
-        visible, every_row_sees_a_key = _top_left_causal(rows, k.shape[2], q.device), True
-    if logit_cap > 0 or q.shape[-1] != v.shape[-1]:
-        return plain_attention_with_lse(q, k, v, scale, visible=visible, logit_cap=logit_cap)
     fused = FUSED_ATTENTION_BY_DEVICE.get(q.device.type)
-    if fused is None:
-        return plain_attention_with_lse(q, k, v, scale, visible=visible)
-    out, lse = fused(q, k, v, scale, visible=visible)
+    if fused is not None and fused.takes_lengths and not logit_cap and q.shape[-1] == v.shape[-1]:
+        out, lse = fused.attend(q, k, v, scale, visible=visible, lengths=lengths, causal=causal)
+        return _zero_blind_rows(out, lse, visible, lengths, every_row_sees_a_key)
+    if lengths is not None:
+        visible = _visible_within(lengths, rows, k.shape[2], causal, q.device, visible)
+        causal, every_row_sees_a_key = False, every_row_sees_a_key or causal
+    if causal:
+        if q.device.type == "cpu" and not logit_cap and q.shape[-1] == v.shape[-1] and rows == k.shape[2]:
+            return cpu_attention_with_lse(q, k, v, scale, causal=True)
+        visible, every_row_sees_a_key = _bottom_right_causal(rows, k.shape[2], q.device), True
+    if logit_cap > 0 or q.shape[-1] != v.shape[-1] or fused is None:
+        return plain_attention_with_lse(q, k, v, scale, visible=visible, logit_cap=logit_cap)
+    out, lse = fused.attend(q, k, v, scale, visible=visible)
+    return _zero_blind_rows(out, lse, visible, None, every_row_sees_a_key)
+
+
+def _zero_blind_rows(out, lse, visible, lengths, every_row_sees_a_key):
+    """Rows that see no key: out 0, lse -inf (a fused op leaves them unspecified)."""
+    blind = None
     if visible is not None and not every_row_sees_a_key:
         blind = ~visible.any(dim=-1)  # [B or 1, 1, L]
-        out = out.masked_fill(blind[..., None], 0.0)
-        lse = lse.masked_fill(blind, float("-inf"))
-    return out, lse
+    if lengths is not None and 0 in lengths.keys:  # the core never sends such an entry: no copy per layer there
+        keyless = torch.tensor([keys == 0 for keys in lengths.keys], device=out.device).view(-1, 1, 1)
+        blind = keyless if blind is None else blind | keyless
+    if blind is None:
+        return out, lse
+    return out.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, float("-inf"))
 
 
-def _top_left_causal(rows: int, keys: int, device) -> torch.Tensor:
-    """``[1, 1, rows, keys]`` True where key <= row."""
-    return (torch.arange(keys, device=device) <= torch.arange(rows, device=device)[:, None])[None, None]
+def _bottom_right_causal(rows: int, keys: int, device) -> torch.Tensor:
+    """``[1, 1, rows, keys]`` True where key <= row + keys - rows."""
+    limit = torch.arange(rows, device=device)[:, None] + (keys - rows)
+    return (torch.arange(keys, device=device) <= limit)[None, None]
+
+
+def _visible_within(lengths: BatchLengths, rows: int, keys: int, causal: bool, device, visible=None):
+    """``lengths`` (and ``causal`` after each entry's prefix) as a ``[B, 1, rows, keys]`` mask, and ``visible``."""
+    per_entry = torch.tensor([lengths.queries, lengths.keys], device=device)
+    query_lens, key_lens = per_entry[0].view(-1, 1, 1, 1), per_entry[1].view(-1, 1, 1, 1)
+    key = torch.arange(keys, device=device).view(1, 1, 1, keys)
+    within = key < key_lens
+    if causal:
+        within = within & (key <= torch.arange(rows, device=device).view(1, 1, rows, 1) + key_lens - query_lens)
+    return within if visible is None else within & visible
 
 
 def cpu_attention_with_lse(q, k, v, scale, *, visible=None, causal=False):
@@ -106,10 +155,23 @@ def cpu_attention_with_lse(q, k, v, scale, *, visible=None, causal=False):
     return out, lse
 
 
-def npu_attention_with_lse(q, k, v, scale, *, visible=None):
-    """``torch_npu.npu_fused_infer_attention_score``, BNSD, with its softmax LSE (not run on hardware here)."""
+def npu_attention_with_lse(q, k, v, scale, *, visible=None, lengths=None, causal=False):
+    """``torch_npu.npu_fused_infer_attention_score``, BNSD, with its softmax LSE (not run on hardware here).
+
+    ``lengths`` go as ``actual_seq_lengths`` / ``actual_seq_lengths_kv`` (host lists: no device read); ``causal``
+    with more than one row as ``sparse_mode=3`` (right-down causal: each entry's rows end at its last key) with the
+    compressed mask; one row sees all of its keys anyway (the op ignores sparse_mode then). ``visible`` becomes the
+    full mask, inverted per call: only calls with per-row frame boundaries carry one.
+    """
     import torch_npu
 
+    options = {}
+    if lengths is not None:
+        options.update(actual_seq_lengths=list(lengths.queries), actual_seq_lengths_kv=list(lengths.keys))
+    if causal and q.shape[2] > 1:
+        options.update(atten_mask=npu_compressed_causal_mask(q.device), sparse_mode=3)
+    elif visible is not None:
+        options["atten_mask"] = (~visible).contiguous()  # Ascend: True = masked out
     out, lse = torch_npu.npu_fused_infer_attention_score(
         q.contiguous(),
         k.contiguous(),
@@ -118,47 +180,69 @@ def npu_attention_with_lse(q, k, v, scale, *, visible=None):
         num_key_value_heads=k.shape[1],
         input_layout="BNSD",
         scale=scale,
-        atten_mask=None if visible is None else (~visible).contiguous(),  # Ascend: True = masked out
         softmax_lse_flag=True,
+        **options,
     )
     return out, lse.squeeze(-1).float()
 
 
-def npu_paged_attention_with_lse(q, k_pages, v_pages, scale, *, block_table, block_size, kv_ends, hidden_prefix):
+@functools.cache
+def npu_compressed_causal_mask(device: torch.device) -> torch.Tensor:
+    """The Ascend op's compressed causal mask, ``[2048, 2048]`` bool True (masked out) above the diagonal: built
+    once per device and shared by every causal call (stock sglang's ``fia_mask``)."""
+    size = NPU_COMPRESSED_MASK_SIZE
+    return torch.ones(size, size, dtype=torch.bool, device=device).triu_(1)
+
+
+def npu_paged_attention_with_lse(q, k_pages, v_pages, scale, *, block_table, block_size, kv_ends, masked_out=None):
     """Attention straight from the paged KV pool: ``npu_fused_infer_attention_score`` with ``block_table``.
 
     q ``[B, Hq, rows, D]``; k/v_pages ``[num_blocks, block_size, Hk * D]`` (the pool, no copy); block_table
-    int32 ``[B, max_blocks]``; kv_ends ``[B]`` host ints, keys at positions ``>= kv_ends[b]`` unseen
-    (``actual_seq_lengths_kv``); hidden_prefix ``[B]`` tensor, positions ``< hidden_prefix[b]`` masked out (the
-    encoder in front of a request's text, which a block table cannot skip). Returns (out, lse) like
-    :func:`attention_with_lse`. Written to the torch_npu documentation; not run on an Ascend card.
+    int32 ``[B, max_blocks]``; kv_ends host ints, keys at positions ``>= kv_ends[b]`` unseen
+    (``actual_seq_lengths_kv``), each > 0; masked_out bool ``[B, 1, rows, max_blocks * block_size]`` or None, True
+    where a position is hidden (the encoder in front of a request's text, which a block table cannot skip); every
+    row must see a key. All built once per forward by the caller: no device read or copy here. Returns (out, lse)
+    like :func:`attention_with_lse`. Written to the torch_npu documentation; not run on an Ascend card.
     """
     import torch_npu
 
-    batch, num_heads, rows, dim = q.shape
-    positions = torch.arange(block_table.shape[1] * block_size, device=q.device)
-    masked_out = (positions[None, :] < hidden_prefix[:, None]).view(batch, 1, 1, -1).expand(-1, -1, rows, -1)
     out, lse = torch_npu.npu_fused_infer_attention_score(
         q.contiguous(),
         k_pages,
         v_pages,
-        num_heads=num_heads,
-        num_key_value_heads=k_pages.shape[-1] // dim,
+        num_heads=q.shape[1],
+        num_key_value_heads=k_pages.shape[-1] // q.shape[-1],
         input_layout="BNSD",
         scale=scale,
         block_table=block_table,
         block_size=block_size,
         actual_seq_lengths_kv=kv_ends,
-        atten_mask=masked_out.contiguous(),  # Ascend: True = masked out
+        atten_mask=masked_out,
         softmax_lse_flag=True,
     )
-    lse = lse.squeeze(-1).float()
-    blind = (torch.as_tensor(kv_ends, device=q.device) <= hidden_prefix).view(batch, 1, 1)
-    return out.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, float("-inf"))
+    return out, lse.squeeze(-1).float()
+
+
+@dataclass(frozen=True)
+class FusedAttention:
+    """A device's fused attention-with-LSE: ``attend(q, k, v, scale, *, visible, [lengths, causal])``, and whether
+    it takes :class:`BatchLengths` and the prefix-causal limit itself (else they become a mask)."""
+
+    attend: Callable
+    takes_lengths: bool = False
 
 
 # The fused attention-with-LSE of each device type; other devices take the plain path.
-FUSED_ATTENTION_BY_DEVICE = {"cpu": cpu_attention_with_lse, "npu": npu_attention_with_lse}
+FUSED_ATTENTION_BY_DEVICE = {
+    "cpu": FusedAttention(cpu_attention_with_lse),
+    "npu": FusedAttention(npu_attention_with_lse, takes_lengths=True),
+}
+
+
+def takes_lengths(device_type: str) -> bool:
+    """Whether the device's fused primitive takes per-entry lengths and the causal limit without a mask."""
+    fused = FUSED_ATTENTION_BY_DEVICE.get(device_type)
+    return fused is not None and fused.takes_lengths
 
 
 def plain_attention_with_lse(q, k, v, scale, *, visible=None, logit_cap=0.0):
