@@ -1,6 +1,10 @@
 """Offline MOSS-VL inference with plain transformers (no sglang) on Ascend NPU, CUDA or CPU.
 
     python inference/run_inference.py --checkpoint CKPT --input inference/examples/image_queries.json
+    python inference/run_inference.py --checkpoint CKPT --mode image --input inference/examples/image_queries.json
+
+``--mode {offline,image,video,batch}`` is upstream's (required there): every mode runs the same
+``offline_generate`` path, and the value is recorded as the report's ``mode_alias``.
 
 Reads a JSON list or a JSONL file of queries, runs each through the model's ``offline_generate`` stream
 (one query at a time, each with its own deadline), and writes ``<input stem>_results.json`` next to the
@@ -48,6 +52,7 @@ logger = logging.getLogger("run_inference")
 
 # Greedy by default so repeated runs of one query file give the same text; a query's own values win.
 GENERATE_DEFAULTS = {"max_new_tokens": 256, "do_sample": False}
+MODES = ("offline", "image", "video", "batch")
 WORKER_JOIN_SECONDS = 30.0
 
 
@@ -72,8 +77,8 @@ def load_queries(path: Path) -> list[Any]:
 # -------------------------------------------------------------------------------------- generation
 
 
-def generate_one(model: Any, processor: Any, query: dict, timeout_seconds: float) -> str:
-    """The text the model streams for one canonical query through ``offline_generate``.
+def generate_one(model: Any, processor: Any, query: dict, timeout_seconds: float) -> tuple[str, int]:
+    """(text, number of stream events) the model streams for one canonical query through ``offline_generate``.
 
     Runs the model in a worker thread with its own queues so that a query which overruns its deadline can be
     abandoned (TimeoutError) without its late output reaching the next query."""
@@ -102,7 +107,7 @@ def generate_one(model: Any, processor: Any, query: dict, timeout_seconds: float
             if item == ROUND_START:
                 continue
             if item == ROUND_END:
-                return "".join(chunks)
+                return "".join(chunks), len(chunks)
             if isinstance(item, str) and item.startswith(ERROR_PREFIX):
                 raise ModelReportedError(item[len(ERROR_PREFIX) :])
             chunks.append(item)
@@ -114,6 +119,22 @@ def generate_one(model: Any, processor: Any, query: dict, timeout_seconds: float
             logger.warning("offline_generate worker still running after its query ended; abandoning it")
 
 
+def query_summary(query: dict) -> dict:
+    """Upstream's per-result fields: ``prompt`` (the text of the last user turn), ``images`` and ``videos`` (the
+    media of every turn, in order)."""
+    media: dict[str, list] = {"image": [], "video": []}
+    prompt = ""
+    for message in query["messages"]:
+        content = message["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        for part in parts:
+            if part["type"] in media:
+                media[part["type"]].append(part[part["type"]])
+        if message["role"] == "user":
+            prompt = "".join(part["text"] for part in parts if part["type"] == "text")
+    return {"prompt": prompt, "images": media["image"], "videos": media["video"]}
+
+
 def run_queries(model: Any, processor: Any, raw_queries: list, base_dir: Path, timeout_seconds: float) -> list[dict]:
     """One result per raw query, in order: the canonical query plus ``text`` or ``error``."""
     results = []
@@ -123,7 +144,8 @@ def run_queries(model: Any, processor: Any, raw_queries: list, base_dir: Path, t
         try:
             query = resolve_query_media_paths(normalize_query(raw, GENERATE_DEFAULTS), base_dir)
             result.update(query)
-            result["text"] = generate_one(model, processor, query, timeout_seconds)
+            result.update(query_summary(query))
+            result["text"], result["event_count"] = generate_one(model, processor, query, timeout_seconds)
         except Exception as error:  # one bad query must not lose the others
             logger.error("query %d failed: %s: %s", index, type(error).__name__, error)
             if "messages" not in result:  # normalisation failed: keep the query as the user wrote it
@@ -145,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--checkpoint", required=True, type=Path, help="local MOSS-VL checkpoint directory (remote code inside)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="offline",
+        help="upstream's mode (a legacy alias there: every mode runs offline_generate, here too); recorded as "
+        "mode_alias in the report (default offline)",
     )
     parser.add_argument(
         "--input", required=True, type=Path, help="queries: a JSON list or a .jsonl file, one query per line"
@@ -206,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum("error" in r for r in results)
     report = {
         "mode": "offline_generate",
+        "mode_alias": args.mode,
         **metadata,
         "input": str(input_path),
         "num_queries": len(results),

@@ -391,11 +391,29 @@ def reference_model(checkpoint):
     return model, processor
 
 
+# Upstream's README runs each example with its legacy --mode alias (an upstream command line: --mode first).
+UPSTREAM_MODES = {"image_queries.json": "image", "video_queries.json": "video", "multiturn_batch.jsonl": "batch"}
+
+
+def expected_summary(oracle: dict) -> dict:
+    """Upstream's per-result prompt/images/videos, read off the hand-written oracle query."""
+    if "messages" in oracle:
+        last_user = [m for m in oracle["messages"] if m["role"] == "user"][-1]
+        prompt = "".join(part["text"] for part in last_user["content"] if part["type"] == "text")
+        parts = [part for m in oracle["messages"] if not isinstance(m["content"], str) for part in m["content"]]
+        images = [part["image"] for part in parts if part["type"] == "image"]
+        videos = [part["video"] for part in parts if part["type"] == "video"]
+        return {"prompt": prompt, "images": images, "videos": videos}
+    prompt = oracle["prompt"].replace("<|image|>", "").replace("<|video|>", "")
+    return {"prompt": prompt, "images": oracle.get("images", []), "videos": oracle.get("videos", [])}
+
+
 @pytest.mark.parametrize("example", sorted(ORACLE_QUERIES))
 def test_example_file_matches_reference_batch_generate(checkpoint, reference_model, tmp_path, example):
     output = tmp_path / "results.json"
+    mode = ["--mode", UPSTREAM_MODES[example]]
     completed = run_cli(
-        checkpoint, EXAMPLES / example, "--output", str(output), "--device", "cpu", "--dtype", "float32"
+        checkpoint, EXAMPLES / example, *mode, "--output", str(output), "--device", "cpu", "--dtype", "float32"
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "attention implementation: sdpa (--attention-backend auto -> the cpu default)" in completed.stderr
@@ -411,6 +429,11 @@ def test_example_file_matches_reference_batch_generate(checkpoint, reference_mod
         assert result["text"], result
         assert result["text"] == oracle["text"], f"query {result['index']}"
         assert result["elapsed_seconds"] > 0
+        assert result["event_count"] >= 1
+    assert report["mode_alias"] == UPSTREAM_MODES[example]
+    for result, query in zip(report["results"], ORACLE_QUERIES[example]):
+        summary = {key: result[key] for key in ("prompt", "images", "videos")}
+        assert summary == expected_summary(query), f"query {result['index']}"
 
 
 def test_a_missing_media_file_fails_only_its_own_query(checkpoint, tmp_path):
