@@ -17,64 +17,37 @@ import pytest
 import torch
 
 from mossvl_ascend.attention import core
-from mossvl_ascend.attention.core import AttentionLayer, attention
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
 from mossvl_ascend.attention.primitives import NPU_COMPRESSED_MASK_SIZE
-from support.attention import Request, batch_metadata, build_paged_batch
-from support.precision import dense_same_dtype, fp64_reference, max_error
+from support.attention import (
+    BLIND,
+    CROSS_BOUNDARIES,
+    CROSS_UNIFORM,
+    DECODE,
+    FRESH_PREFILLS,
+    NPU_SHAPES,
+    ONE_ROW_EXTENDS,
+    PREFIXED_SELF,
+    STAIRCASE,
+    Request,
+    batch_metadata,
+    build_paged_batch,
+    errors_against_fp64,
+    run_core_layer,
+)
 from support.simulated_npu import HostReads, npu_attention_on_cpu
 
-SHAPES = {"tiny": (4, 2, 16), "instruct": (32, 8, 128)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 EVERY_SHAPE_AND_DTYPE = [
     pytest.param(shape, dtype, id=f"{shape_id}-{dtype_id}")
-    for shape_id, shape in SHAPES.items()
+    for shape_id, shape in NPU_SHAPES.items()
     for dtype_id, dtype in DTYPES.items()
 ]
 
 
-def run_layer(batch, metadata, cross, page_size=1):
-    scale = batch.query.shape[-1] ** -0.5
-    layer = AttentionLayer(cross, scale, not cross)
-    return attention(
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.req_to_token,
-        batch.req_pool_indices,
-        metadata,
-        layer,
-        page_size=page_size,
-    )
-
-
-def row_boundaries(request, cross):
-    """Where each new row stops seeing keys: its frames' encoder prefix, or its text up to itself."""
-    if not cross:
-        return request.prefix_len + 1 + torch.arange(request.extend_len)
-    counts = request.visible_frame_counts[request.prefix_len : request.text_len]
-    if not counts:
-        return torch.full((request.extend_len,), request.encoder_len)
-    return torch.tensor([sum(request.spans[:c]) for c in counts])
-
-
 def assert_within_budget(out, batch, cross):
-    """Every request's rows against the fp64 reference, within 1.5 x one dense same-dtype attention's error."""
     assert out.dtype == batch.query.dtype
-    scale = batch.query.shape[-1] ** -0.5
-    for i, request in enumerate(batch.requests):
-        rows = batch.query_rows(i)
-        got = out[rows].transpose(0, 1)
-        if cross and not request.encoder_len:
-            assert not got.any(), f"request {i} has no encoder: zero cross-attention"
-            continue
-        keys, values = (batch.encoder_k[i], batch.encoder_v[i]) if cross else (batch.text_k[i], batch.text_v[i])
-        q, k, v = batch.query[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
-        bounds = row_boundaries(request, cross)
-        assert not got[:, bounds == 0].any(), f"request {i}: rows that see no frame must be 0"
-        reference = fp64_reference(q, k, v, bounds, scale)
-        error = max_error(got, reference, bounds)
-        budget = 1.5 * max_error(dense_same_dtype(q, k, v, bounds, scale), reference, bounds) + 1e-3
+    for i, (error, budget) in enumerate(errors_against_fp64(out, batch, cross)):
         assert error <= budget, f"request {i} {out.dtype}: error {error:.3g} > budget {budget:.3g}"
 
 
@@ -87,19 +60,6 @@ def is_compressed_causal(call):
     return call.get("sparse_mode") == 3 and mask is not None and mask.shape == (NPU_COMPRESSED_MASK_SIZE,) * 2
 
 
-PREFIXED_SELF = [
-    Request(spans=[5, 5], prefix_len=6, extend_len=9),
-    Request(spans=[], prefix_len=2, extend_len=3),
-    Request(spans=[4, 4, 4], prefix_len=0, extend_len=12),
-    Request(spans=[7], prefix_len=13, extend_len=1),
-]
-FRESH_PREFILLS = [
-    Request(spans=[4, 4], prefix_len=0, extend_len=9),
-    Request(spans=[], prefix_len=0, extend_len=3),
-    Request(spans=[6], prefix_len=0, extend_len=30),
-]
-
-
 @pytest.mark.parametrize("shape, dtype", EVERY_SHAPE_AND_DTYPE)
 @pytest.mark.parametrize("requests", [PREFIXED_SELF, FRESH_PREFILLS], ids=["cached-prefixes", "fresh-prefills"])
 def test_batched_self_attention_takes_the_compressed_causal_mode(monkeypatch, requests, shape, dtype):
@@ -108,19 +68,11 @@ def test_batched_self_attention_takes_the_compressed_causal_mode(monkeypatch, re
     mask."""
     batch = npu_batch(requests, shape, dtype)
     with npu_attention_on_cpu(monkeypatch) as calls:
-        out = run_layer(batch, batch_metadata(batch), cross=False)
+        out = run_core_layer(batch, batch_metadata(batch), cross=False)
     assert len(calls) == 1 and is_compressed_causal(calls[0])
     lengths = sorted(zip(calls[0]["actual_seq_lengths"], calls[0]["actual_seq_lengths_kv"]))
     assert lengths == sorted((r.extend_len, r.text_len) for r in requests)
     assert_within_budget(out, batch, cross=False)
-
-
-DECODE = [
-    Request(spans=[5, 5], prefix_len=6, extend_len=1),
-    Request(spans=[], prefix_len=4, extend_len=1),
-    Request(spans=[4, 4, 4], prefix_len=8, extend_len=1),
-    Request(spans=[3], prefix_len=11, extend_len=1),
-]
 
 
 def decode_metadata(batch):
@@ -134,26 +86,12 @@ def test_decode_cuts_each_request_by_its_kv_length(monkeypatch, cross, shape, dt
     """Decode (one row each, unequal lengths): no mask at all, each request's keys cut by actual_seq_lengths_kv."""
     batch = npu_batch(DECODE, shape, dtype, seed=1)
     with npu_attention_on_cpu(monkeypatch) as calls:
-        out = run_layer(batch, decode_metadata(batch), cross)
+        out = run_core_layer(batch, decode_metadata(batch), cross)
     assert len(calls) == 1 and "atten_mask" not in calls[0]
     members = [r for r in DECODE if r.encoder_len or not cross]
     expected = sorted(r.encoder_len if cross else r.text_len for r in members)
     assert sorted(calls[0]["actual_seq_lengths_kv"]) == expected
     assert_within_budget(out, batch, cross)
-
-
-CROSS_BOUNDARIES = [
-    Request(spans=[5, 5], prefix_len=0, extend_len=6, visible_frame_counts=[0, 1, 1, 2, 2, 2]),
-    Request(spans=[], prefix_len=2, extend_len=3),
-    Request(spans=[4, 4, 4], prefix_len=4, extend_len=5, visible_frame_counts=[0, 0, 1, 1, 1, 2, 2, 3, 3]),
-    Request(spans=[7], prefix_len=3, extend_len=2, visible_frame_counts=[0, 0, 0, 0, 1]),
-    Request(spans=[6, 4], prefix_len=1, extend_len=4, visible_frame_counts=[1] * 5),
-]
-CROSS_UNIFORM = [
-    Request(spans=[6, 4], prefix_len=1, extend_len=4, visible_frame_counts=[1] * 5),
-    Request(spans=[8], prefix_len=0, extend_len=7, visible_frame_counts=[1] * 7),
-    Request(spans=[3, 3, 3], prefix_len=2, extend_len=1, visible_frame_counts=[3, 3, 2]),
-]
 
 
 @pytest.mark.parametrize("shape, dtype", EVERY_SHAPE_AND_DTYPE)
@@ -162,7 +100,7 @@ def test_cross_boundary_masks_in_one_masked_call(monkeypatch, shape, dtype):
     and the encoder lengths; a request without an encoder is in no call."""
     batch = npu_batch(CROSS_BOUNDARIES, shape, dtype, seed=2)
     with npu_attention_on_cpu(monkeypatch) as calls:
-        out = run_layer(batch, batch_metadata(batch), cross=True)
+        out = run_core_layer(batch, batch_metadata(batch), cross=True)
     assert len(calls) == 1 and calls[0].get("sparse_mode", 0) == 0
     assert calls[0]["atten_mask"].shape == (4, 1, 6, 12) and calls[0]["atten_mask"].dtype == torch.bool
     assert_within_budget(out, batch, cross=True)
@@ -174,59 +112,34 @@ def test_cross_rows_seeing_one_prefix_need_no_mask(monkeypatch, shape, dtype):
     prefix goes as the request's KV length, no mask."""
     batch = npu_batch(CROSS_UNIFORM, shape, dtype, seed=3)
     with npu_attention_on_cpu(monkeypatch) as calls:
-        out = run_layer(batch, batch_metadata(batch), cross=True)
+        out = run_core_layer(batch, batch_metadata(batch), cross=True)
     assert len(calls) == 1 and "atten_mask" not in calls[0]
     assert sorted(calls[0]["actual_seq_lengths_kv"]) == [6, 6, 8]
     assert_within_budget(out, batch, cross=True)
-
-
-def staircase_requests():
-    """A video-like request (8 frames, 30 text rows after each) whose block plan has several blocks, and a short
-    one that goes through the batched call."""
-    return [
-        Request(spans=[16] * 8, prefix_len=0, extend_len=240, visible_frame_counts=[1 + i // 30 for i in range(240)]),
-        Request(spans=[5, 5], prefix_len=0, extend_len=6, visible_frame_counts=[0, 1, 1, 2, 2, 2]),
-    ]
 
 
 @pytest.mark.parametrize("shape, dtype", EVERY_SHAPE_AND_DTYPE)
 def test_frame_causal_block_plan_through_the_npu_primitive(monkeypatch, shape, dtype):
     """The long staircase goes block by block (unmasked rectangles, masked leaves), merged by the op's LSE; a
     natural-log LSE is needed for the merge to be exact."""
-    batch = npu_batch(staircase_requests(), shape, dtype, seed=4)
+    batch = npu_batch(STAIRCASE, shape, dtype, seed=4)
     metadata = batch_metadata(batch)
     plan = metadata.plans[0]
     assert len(plan.blocks) >= 3 and any(block.masked for block in plan.blocks)
     with npu_attention_on_cpu(monkeypatch) as calls:
-        out = run_layer(batch, metadata, cross=True)
+        out = run_core_layer(batch, metadata, cross=True)
     assert len(calls) == len(plan.blocks) + 1
     assert_within_budget(out, batch, cross=True)
-
-
-BLIND = [
-    Request(spans=[5], prefix_len=2, extend_len=1, visible_frame_counts=[0, 0, 0]),
-    Request(spans=[4, 4], prefix_len=0, extend_len=3, visible_frame_counts=[0, 0, 0]),
-    Request(spans=[], prefix_len=3, extend_len=1),
-]
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["default", "paged"])
 def test_all_blind_group_sends_no_call(monkeypatch, paged):
     """Requests whose rows all see no frame are in no cross-attention call (so the paged path never sends an empty
     block table); their rows are 0."""
-    batch = npu_batch(BLIND, SHAPES["tiny"], torch.bfloat16, page_size=16 if paged else 1, seed=5)
+    batch = npu_batch(BLIND, NPU_SHAPES["tiny"], torch.bfloat16, page_size=16 if paged else 1, seed=5)
     with npu_attention_on_cpu(monkeypatch, paged=paged) as calls:
-        out = run_layer(batch, batch_metadata(batch), cross=True, page_size=16 if paged else 1)
+        out = run_core_layer(batch, batch_metadata(batch), cross=True, page_size=16 if paged else 1)
     assert calls == [] and not out.any()
-
-
-ONE_ROW_EXTENDS = [
-    Request(spans=[100, 60], prefix_len=2, extend_len=1, visible_frame_counts=[1, 1, 1]),
-    Request(spans=[90], prefix_len=1, extend_len=1, visible_frame_counts=[0, 0]),
-    Request(spans=[80, 80, 80], prefix_len=4, extend_len=1, visible_frame_counts=[3] * 5),
-    Request(spans=[], prefix_len=130, extend_len=1),
-    Request(spans=[150], prefix_len=20, extend_len=1),
-]
 
 
 @pytest.mark.parametrize("shape, dtype", EVERY_SHAPE_AND_DTYPE)
@@ -239,7 +152,7 @@ def test_opt_in_paged_decode_at_npu_page_sizes(monkeypatch, cross, page_size, sh
     encoder (True = masked out)."""
     batch = npu_batch(ONE_ROW_EXTENDS, shape, dtype, page_size=page_size, seed=6)
     with npu_attention_on_cpu(monkeypatch, paged=True) as calls:
-        out = run_layer(batch, batch_metadata(batch), cross, page_size=page_size)
+        out = run_core_layer(batch, batch_metadata(batch), cross, page_size=page_size)
     assert len(calls) == 1 and calls[0]["block_size"] == page_size
     assert calls[0]["block_table"].dtype == torch.int32
     assert (calls[0].get("atten_mask") is None) == cross
@@ -250,9 +163,9 @@ def test_paged_table_reads_every_page_of_a_request(monkeypatch):
     """A request over three pages of 128: the block table lists its pages in order (a table shifted by one page
     reads another request's keys)."""
     requests = [Request(spans=[200], prefix_len=100, extend_len=1), Request(spans=[130], prefix_len=5, extend_len=1)]
-    batch = npu_batch(requests, SHAPES["tiny"], torch.bfloat16, page_size=128, seed=7)
+    batch = npu_batch(requests, NPU_SHAPES["tiny"], torch.bfloat16, page_size=128, seed=7)
     with npu_attention_on_cpu(monkeypatch, paged=True) as calls:
-        out = run_layer(batch, batch_metadata(batch), cross=False, page_size=128)
+        out = run_core_layer(batch, batch_metadata(batch), cross=False, page_size=128)
     table = calls[0]["block_table"].tolist()
     for slots in batch.slots:
         pages = (slots[::128] // 128).tolist()
@@ -263,7 +176,7 @@ def test_paged_table_reads_every_page_of_a_request(monkeypatch):
 def mixed_forward():
     """Every group type in one forward: prefixed and fresh self rows, a staircase, masked and one-row cross rows,
     blind rows, decode-like rows."""
-    return staircase_requests() + CROSS_BOUNDARIES + ONE_ROW_EXTENDS
+    return STAIRCASE + CROSS_BOUNDARIES + ONE_ROW_EXTENDS
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["default", "paged"])
@@ -274,15 +187,15 @@ def test_no_host_read_or_host_copy_per_layer(monkeypatch, paged):
     0 per layer on both NPU paths (each is a sync or a copy per layer on an NPU). The op's stand-in is not counted."""
     page_size = 16 if paged else 1
     requests = ONE_ROW_EXTENDS + DECODE if paged else mixed_forward()  # the paged call takes one-row groups
-    batch = npu_batch(requests, SHAPES["tiny"], torch.bfloat16, page_size=page_size, seed=8)
+    batch = npu_batch(requests, NPU_SHAPES["tiny"], torch.bfloat16, page_size=page_size, seed=8)
     metadata = batch_metadata(batch)
     host_reads = HostReads()
     with npu_attention_on_cpu(monkeypatch, paged=paged, host_reads=host_reads) as calls:
         for cross in (False, True):
-            run_layer(batch, metadata, cross, page_size)
+            run_core_layer(batch, metadata, cross, page_size)
         first_forward_calls = len(calls)
         with host_reads:
-            outputs = {cross: run_layer(batch, metadata, cross, page_size) for cross in (False, True)}
+            outputs = {cross: run_core_layer(batch, metadata, cross, page_size) for cross in (False, True)}
     assert host_reads.reads == [] and host_reads.copies == []
     assert len(calls) == 2 * first_forward_calls
     assert any("block_table" in call for call in calls) == paged
@@ -303,6 +216,6 @@ def test_host_read_counter_sees_reads_and_copies():
 
 def test_cpu_path_keeps_its_kernel_flag_and_masks(monkeypatch):
     """Without the NPU routing the CPU primitive still gets masks and the kernel's causal flag (no lengths)."""
-    batch = npu_batch(PREFIXED_SELF, SHAPES["tiny"], torch.float32)
+    batch = npu_batch(PREFIXED_SELF, NPU_SHAPES["tiny"], torch.float32)
     groups = core._build_groups(batch_metadata(batch), batch.req_to_token, batch.req_pool_indices, False)
     assert all(group.visible is not None and not group.by_lengths for group in groups)

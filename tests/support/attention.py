@@ -534,3 +534,110 @@ def cross_extend_of_one_request(backend, pool, req_to_token_pool):
     cross, _ = make_layers()
     out = backend.forward(batch.query.flatten(1), None, None, cross, forward_batch)
     return out.view_as(batch.query), batch
+
+
+# ----------------------------------------------------------------------------- NPU group types
+# The attention core's group types as the NPU primitives see them, shared by tests/test_npu_attention_core.py (CPU,
+# through the STAND-IN FIA) and benchmarks/npu_acceptance.py (the real ops on an Ascend card).
+
+NPU_SHAPES = {"tiny": (4, 2, 16), "instruct": (32, 8, 128)}  # query heads, KV heads, head_dim (MOSS-VL-Instruct)
+
+PREFIXED_SELF = [
+    Request(spans=[5, 5], prefix_len=6, extend_len=9),
+    Request(spans=[], prefix_len=2, extend_len=3),
+    Request(spans=[4, 4, 4], prefix_len=0, extend_len=12),
+    Request(spans=[7], prefix_len=13, extend_len=1),
+]
+FRESH_PREFILLS = [
+    Request(spans=[4, 4], prefix_len=0, extend_len=9),
+    Request(spans=[], prefix_len=0, extend_len=3),
+    Request(spans=[6], prefix_len=0, extend_len=30),
+]
+DECODE = [
+    Request(spans=[5, 5], prefix_len=6, extend_len=1),
+    Request(spans=[], prefix_len=4, extend_len=1),
+    Request(spans=[4, 4, 4], prefix_len=8, extend_len=1),
+    Request(spans=[3], prefix_len=11, extend_len=1),
+]
+CROSS_BOUNDARIES = [
+    Request(spans=[5, 5], prefix_len=0, extend_len=6, visible_frame_counts=[0, 1, 1, 2, 2, 2]),
+    Request(spans=[], prefix_len=2, extend_len=3),
+    Request(spans=[4, 4, 4], prefix_len=4, extend_len=5, visible_frame_counts=[0, 0, 1, 1, 1, 2, 2, 3, 3]),
+    Request(spans=[7], prefix_len=3, extend_len=2, visible_frame_counts=[0, 0, 0, 0, 1]),
+    Request(spans=[6, 4], prefix_len=1, extend_len=4, visible_frame_counts=[1] * 5),
+]
+CROSS_UNIFORM = [
+    Request(spans=[6, 4], prefix_len=1, extend_len=4, visible_frame_counts=[1] * 5),
+    Request(spans=[8], prefix_len=0, extend_len=7, visible_frame_counts=[1] * 7),
+    Request(spans=[3, 3, 3], prefix_len=2, extend_len=1, visible_frame_counts=[3, 3, 2]),
+]
+# A video-like request (8 frames, 30 text rows after each) whose block plan has several blocks, and a short one that
+# goes through the batched call.
+STAIRCASE = [
+    Request(spans=[16] * 8, prefix_len=0, extend_len=240, visible_frame_counts=[1 + i // 30 for i in range(240)]),
+    Request(spans=[5, 5], prefix_len=0, extend_len=6, visible_frame_counts=[0, 1, 1, 2, 2, 2]),
+]
+BLIND = [
+    Request(spans=[5], prefix_len=2, extend_len=1, visible_frame_counts=[0, 0, 0]),
+    Request(spans=[4, 4], prefix_len=0, extend_len=3, visible_frame_counts=[0, 0, 0]),
+    Request(spans=[], prefix_len=3, extend_len=1),
+]
+# One-row rows of every kind (the paged call's groups): the first frame only, no frame, every frame, no encoder, and
+# encoders of 90-240 tokens so that requests span several pages.
+ONE_ROW_EXTENDS = [
+    Request(spans=[100, 60], prefix_len=2, extend_len=1, visible_frame_counts=[1, 1, 1]),
+    Request(spans=[90], prefix_len=1, extend_len=1, visible_frame_counts=[0, 0]),
+    Request(spans=[80, 80, 80], prefix_len=4, extend_len=1, visible_frame_counts=[3] * 5),
+    Request(spans=[], prefix_len=130, extend_len=1),
+    Request(spans=[150], prefix_len=20, extend_len=1),
+]
+
+
+def run_core_layer(batch, metadata, cross, page_size=1):
+    """One MOSS-VL attention layer (cross, or causal self) of ``batch`` through the attention core."""
+    from mossvl_ascend.attention.core import AttentionLayer, attention
+
+    layer = AttentionLayer(cross, batch.query.shape[-1] ** -0.5, not cross)
+    return attention(
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.req_to_token,
+        batch.req_pool_indices,
+        metadata,
+        layer,
+        page_size=page_size,
+    )
+
+
+def row_boundaries(request, cross):
+    """Where each new row stops seeing keys: its frames' encoder prefix, or its text up to itself."""
+    if not cross:
+        return request.prefix_len + 1 + torch.arange(request.extend_len)
+    counts = request.visible_frame_counts[request.prefix_len : request.text_len]
+    if not counts:
+        return torch.full((request.extend_len,), request.encoder_len)
+    return torch.tensor([sum(request.spans[:c]) for c in counts])
+
+
+def errors_against_fp64(out, batch, cross):
+    """Per request ``(error, budget)`` of ``out`` (any device) against the fp64 reference on the same rounded
+    inputs (support.precision), over the keys it may see; budget 1.5 x the error of one dense SDPA in the same
+    dtype + 1e-3, as test_attention_precision. Rows that must be 0 (no frame, no encoder) count as error inf when
+    they are not."""
+    from support.precision import dense_same_dtype, fp64_reference, max_error
+
+    out, scale, results = out.cpu(), batch.query.shape[-1] ** -0.5, []
+    for i, request in enumerate(batch.requests):
+        got = out[batch.query_rows(i)].transpose(0, 1)
+        if cross and not request.encoder_len:
+            results.append((0.0 if not got.any() else float("inf"), 0.0))
+            continue
+        keys, values = (batch.encoder_k[i], batch.encoder_v[i]) if cross else (batch.text_k[i], batch.text_v[i])
+        q, k, v = (t.cpu().transpose(0, 1) for t in (batch.query[batch.query_rows(i)], keys, values))
+        bounds = row_boundaries(request, cross)
+        reference = fp64_reference(q, k, v, bounds, scale)
+        error = float("inf") if got[:, bounds == 0].any() else max_error(got, reference, bounds)
+        budget = 1.5 * max_error(dense_same_dtype(q, k, v, bounds, scale), reference, bounds) + 1e-3
+        results.append((error, budget))
+    return results
