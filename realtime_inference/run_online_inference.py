@@ -214,11 +214,17 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_argument_group("source (CLI mode)")
     source.add_argument(
         "--source",
-        choices=("synthetic", "video", "dataset", "camera", "screen"),
+        choices=("synthetic", "video", "frames", "dataset", "camera", "screen"),
         default=None,
-        help="default: dataset if --dataset is given, video if --video is given, else synthetic",
+        help="default: dataset if --dataset is given, video if --video is given, frames if --frames-dir is given, "
+        "else synthetic",
     )
     source.add_argument("--video", type=Path, help="video file for --source video")
+    source.add_argument(
+        "--frames-dir",
+        type=Path,
+        help="folder of PNG/JPEG frames for --source frames, streamed in name order at --sample-fps",
+    )
     source.add_argument(
         "--dataset", type=Path, help="JSONL dataset for --source dataset (format: realtime_inference/video_sources.py)"
     )
@@ -243,9 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-realtime-template",
         action="store_false",
         dest="realtime_template",
-        help="accepted for upstream command lines, where it stops a training-record dataset from replaying its "
-        "assistant turns' frame script; this runner's datasets carry timed prompts and no such script, so it "
-        "changes nothing here",
+        help="for an upstream training-record --dataset line (messages + videos[0].segments): stream every segment "
+        "timestamp with only the first user turn as the prompt, instead of replaying the assistant turns' <|video|> "
+        "frame script with the later user turns between them",
     )
     source.add_argument(
         "--synthetic-duration", type=float, default=10.0, help="seconds of synthetic frames (default 10)"
@@ -289,6 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SECONDS=TEXT",
         help="ask TEXT at SECONDS of source time (repeatable)",
+    )
+    prompts.add_argument(
+        "--subtitle-at",
+        type=parse_timed_prompt,
+        action="append",
+        default=[],
+        metavar="SECONDS=TEXT",
+        help="a subtitle: TEXT asked together with the first frame at or after SECONDS (repeatable)",
     )
     prompts.add_argument(
         "--system-prompt", default=None, help="system prompt (default: the dataset entry's, else none)"
@@ -367,9 +381,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.source is None:
-        args.source = "dataset" if args.dataset else "video" if args.video else "synthetic"
+        args.source = (
+            "dataset" if args.dataset else "video" if args.video else "frames" if args.frames_dir else "synthetic"
+        )
     if args.source == "video" and args.video is None:
         parser.error("--source video needs --video PATH")
+    if args.source == "frames" and args.frames_dir is None:
+        parser.error("--source frames needs --frames-dir DIR")
     if args.source == "dataset" and args.dataset is None:
         parser.error("--source dataset needs --dataset PATH")
     if args.sample_fps <= 0:
@@ -399,20 +417,26 @@ def open_source(args: argparse.Namespace) -> tuple[Iterable, dict]:
     """(timestamp-ordered events, settings the source brings: system_prompt, live)."""
     timed_prompts = sorted(args.prompt_at, key=lambda p: p.timestamp)
     if args.source == "dataset":
-        entry = video_sources.load_dataset_entry(args.dataset, args.dataset_index)
-        events = video_sources.dataset_events(entry, args.sample_fps, args.max_frames)
-        return video_sources.merge_by_time(events, timed_prompts), {
+        entry = video_sources.load_dataset_entry(args.dataset, args.dataset_index, args.realtime_template)
+        frames = video_sources.attach_subtitles(
+            video_sources.dataset_events(entry, args.sample_fps, args.max_frames), args.subtitle_at
+        )
+        return video_sources.merge_by_time(frames, timed_prompts), {
             "system_prompt": entry.get("system_prompt"),
+            "prompt": entry.get("initial_prompt"),
             "live": False,
         }
     if args.source == "video":
         frames = video_sources.video_file_frames(args.video, args.sample_fps, args.max_frames)
+    elif args.source == "frames":
+        frames = video_sources.frame_folder_frames(args.frames_dir, args.sample_fps, args.max_frames)
     elif args.source == "synthetic":
         frames = video_sources.synthetic_frames(args.synthetic_duration, args.sample_fps, args.max_frames)
     elif args.source == "camera":
         frames = video_sources.camera_frames(args.camera_index, args.sample_fps, args.max_frames)
     else:
         frames = video_sources.screen_frames(args.sample_fps, args.max_frames, args.monitor_index)
+    frames = video_sources.attach_subtitles(frames, args.subtitle_at)
     return video_sources.merge_by_time(frames, timed_prompts), {
         "system_prompt": None,
         "live": args.source in ("camera", "screen"),
@@ -467,10 +491,12 @@ def stream_source(args: argparse.Namespace) -> int:
         dry_run(events, playback_speed)
         return 0
     model, processor, metadata = load_realtime_model(args)
-    prompt = args.prompt if args.prompt is not None else ("" if args.source == "dataset" else DEFAULT_PROMPT)
+    prompt = args.prompt if args.prompt is not None else settings.get("prompt") or ""
+    if args.prompt is None and args.source != "dataset":
+        prompt = DEFAULT_PROMPT
     system_prompt = args.system_prompt if args.system_prompt is not None else settings["system_prompt"]
     if args.prompt_frame_first and prompt:
-        events = video_sources.attach_prompt_to_first_frame(events, prompt)
+        events = video_sources.attach_subtitles(events, [PromptEvent(0.0, prompt)])
     session = model.create_realtime_session(
         processor,
         initial_prompt="" if args.prompt_frame_first else prompt,

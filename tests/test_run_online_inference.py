@@ -94,6 +94,56 @@ def test_prompts_follow_frames_of_the_same_time():
     ]
 
 
+def training_record(tmp_path: Path) -> Path:
+    """An upstream training record (messages + videos[0].segments) around the moving-dot clip."""
+    record = {
+        "messages": [
+            {"role": "system", "content": "You guide a tour."},
+            {"role": "user", "content": "<|video|>Describe the scene."},
+            {"role": "assistant", "content": "<|video|><|video|>A dot.<|silence|>"},
+            {"role": "user", "content": [{"type": "text", "text": "Where is it now?"}]},
+            {"role": "assistant", "content": "<|video|>Right side."},
+        ],
+        "videos": [{"video_path": str(CLIP), "segments": [[0.0, 0.5], [1.0, 1.5], [2.0, 2.5], [3.0, 3.5], 3.5]}],
+    }
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    return path
+
+
+def test_upstream_training_records_replay_the_frame_script_or_every_segment(tmp_path):
+    path = training_record(tmp_path)
+    decoded = dict(decode_all(CLIP))
+    scripted = video_sources.load_dataset_entry(path, 0)
+    assert (scripted["system_prompt"], scripted["initial_prompt"]) == ("You guide a tour.", "Describe the scene.")
+    events = list(video_sources.dataset_events(scripted, 1.0))
+    assert [(type(e).__name__, e.timestamp) for e in events] == [
+        ("FrameEvent", 0.0),
+        ("FrameEvent", 1.0),
+        ("PromptEvent", 1.0),  # after the two frames the first assistant turn shows
+        ("FrameEvent", 2.0),
+    ]
+    assert events[2].text == "Where is it now?"
+    assert np.array_equal(np.asarray(events[3].image), decoded[2.0])
+    every = list(video_sources.dataset_events(video_sources.load_dataset_entry(path, 0, realtime_template=False), 1.0))
+    assert [(type(e).__name__, e.timestamp) for e in every] == [("FrameEvent", t) for t in (0.0, 1.0, 2.0, 3.0, 3.5)]
+    assert np.array_equal(np.asarray(every[-1].image), decoded[3.5])
+
+
+def test_a_frame_folder_streams_in_name_order_with_subtitles_on_frames(tmp_path):
+    for name, color in (("b.png", (0, 255, 0)), ("a.png", (255, 0, 0)), ("c.jpg", (0, 0, 255))):
+        Image.new("RGB", (16, 16), color).save(tmp_path / name)
+    (tmp_path / "notes.txt").write_text("not a frame")
+    args = online.parse_args(
+        ["--frames-dir", str(tmp_path), "--sample-fps", "2", "--subtitle-at", "0.4=keep the change", "--dry-run"]
+    )
+    events, _ = online.open_source(args)
+    events = list(events)
+    assert args.source == "frames"
+    assert [(e.timestamp, e.prompt) for e in events] == [(0.0, None), (0.5, "keep the change"), (1.0, None)]
+    assert np.asarray(events[0].image)[0, 0].tolist() == [255, 0, 0], "name order: a.png first"
+
+
 def test_pacing_releases_events_at_timestamp_over_speed():
     now = [100.0]
     slept = []
@@ -387,6 +437,11 @@ def test_session_failure_is_reported_after_every_earlier_output(service):
         ws.send_json({"type": "prompt", "text": "q"})
         ws.send_json({"type": "stop"})
         messages = receive_until(ws, "error")
+        with pytest.raises(WebSocketDisconnect):  # a fatal error ends the connection too
+            ws.receive_json()
+        with client.websocket_connect("/v1/realtime") as next_client:
+            next_client.send_json({"type": "start"})
+            assert next_client.receive_json() == {"type": "ready"}, "the slot is free right after the error"
     tail = [m for m in messages if m["type"] in ("output", "error", "session_end")]
     assert tail == [
         {"type": "output", "text": "<q|"},
@@ -637,6 +692,32 @@ def test_cli_streams_a_dataset_entry_and_renders_rounds_and_silence(tiny_model):
     assert "<|round_start|>" in raw.stdout and "<|silence|>" in raw.stdout and "[silence]" not in raw.stdout
 
 
+def test_upstream_readme_dataset_command_line_runs(tiny_model, tmp_path):
+    """Upstream README's dataset command (playback sped up for the test) on an upstream training record."""
+    completed = run_cli(
+        tiny_model[0],
+        "--dataset",
+        str(training_record(tmp_path)),
+        "--dataset-index",
+        "0",
+        "--playback-speed",
+        "0",
+        "--max-frames",
+        "256",
+        "--max-new-tokens",
+        "8",
+        "--drain-seconds",
+        "3",
+        "--device-map",
+        "cpu",
+        "--dtype",
+        "float32",
+    )
+    assert "fed 3 frames and 1 prompts" in completed.stderr
+    assert "[t=   0.00s] > Describe the scene.\n" in completed.stdout
+    assert "[t=   1.00s] > Where is it now?\n" in completed.stdout
+
+
 def test_upstream_readme_command_line_runs(tiny_model):
     """An upstream command line (its flags, including those that only exist upstream) streams a video file."""
     checkpoint = tiny_model[0]
@@ -733,8 +814,9 @@ def wait_for_health(port: int, process: subprocess.Popen, deadline_s: float = 18
 
 def test_serve_on_loopback_with_uvicorn(tmp_path):
     """uvicorn needs a WebSocket library (websockets or wsproto). Without one, --serve must say so before loading
-    anything; with one, a real client on 127.0.0.1 gets answers and a second client gets close code 1013."""
-    checkpoint = build_or_reuse()
+    anything; with one, a real client on 127.0.0.1 gets the stream, a second client gets close code 1013, the
+    socket closes after session_end, and a client that disconnects frees the slot for the next one."""
+    checkpoint = build_or_reuse("tiny-realtime")
     port = free_port()
     command = [
         sys.executable,
@@ -777,9 +859,22 @@ def test_serve_on_loopback_with_uvicorn(tmp_path):
             messages = []
             while not messages or messages[-1]["type"] != "session_end":
                 messages.append(json.loads(ws.recv(timeout=120)))
+            with pytest.raises(ConnectionClosed) as closed:  # the server closes right after session_end
+                ws.recv(timeout=30)
+            assert closed.value.rcvd.code == 1000
         kinds = [m["type"] for m in messages]
         assert "frame_ack" in kinds and "prompt_ack" in kinds and "error" not in kinds, messages
         assert kinds.index("output") < kinds.index("session_end"), messages
+        with connect(f"ws://127.0.0.1:{port}/v1/realtime") as leaving:  # served at once; then it just leaves
+            leaving.send(json.dumps({"type": "start"}))
+            assert json.loads(leaving.recv(timeout=30)) == {"type": "ready"}
+        deadline = time.monotonic() + 30
+        while wait_for_health(port, process)["busy"]:
+            assert time.monotonic() < deadline, "a disconnect did not free the session slot"
+            time.sleep(0.2)
+        with connect(f"ws://127.0.0.1:{port}/v1/realtime") as after:
+            after.send(json.dumps({"type": "start"}))
+            assert json.loads(after.recv(timeout=30)) == {"type": "ready"}
     finally:
         process.terminate()
         try:
