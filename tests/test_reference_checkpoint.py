@@ -73,3 +73,27 @@ def test_every_control_token_is_a_special_token(processor):
     tokenizer = processor.tokenizer
     assert set(tokenizer.all_special_tokens) == set(SPECIAL_TOKENS)
     assert tokenizer.convert_tokens_to_ids("<|image|>") in tokenizer.all_special_ids
+
+
+def test_realtime_preset_is_the_tiny_model_with_its_template_and_a_scaled_silence_row():
+    """tiny-realtime: the tiny weights and vocabulary, the realtime chat template, and only the <|silence|> LM head
+    row changed (multiplied by SILENCE_ROW_SCALE); the tiny preset itself is untouched."""
+    tiny, realtime = build_or_reuse("tiny"), build_or_reuse("tiny-realtime")
+    tiny_weights = load_file(str(tiny / "model.safetensors"))
+    realtime_weights = load_file(str(realtime / "model.safetensors"))
+    processor = AutoProcessor.from_pretrained(realtime, trust_remote_code=True)
+    silence = processor.tokenizer.convert_tokens_to_ids("<|silence|>")
+    assert set(tiny_weights) == set(realtime_weights)
+    for name, tensor in tiny_weights.items():
+        if name != "lm_head.weight":
+            assert torch.equal(tensor, realtime_weights[name]), name
+    expected_head = tiny_weights["lm_head.weight"].clone()
+    expected_head[silence] *= tiny_checkpoint.SILENCE_ROW_SCALE
+    assert torch.equal(realtime_weights["lm_head.weight"], expected_head)
+    plain = AutoProcessor.from_pretrained(tiny, trust_remote_code=True)
+    assert processor.tokenizer.get_vocab() == plain.tokenizer.get_vocab()
+    rendered = processor.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert rendered.startswith("<|im_start|>system\n") and "<|silence|>" in rendered.split("<|im_end|>")[0]
+    assert plain.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )

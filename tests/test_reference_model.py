@@ -274,3 +274,24 @@ def test_64px_image_and_32_text_tokens_generate_16_tokens_quickly(model, process
         torch.set_num_threads(threads)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 16
     assert min(timings) < 1.0, timings
+
+
+def test_a_row_honours_any_frame_set_of_its_cross_attention_mask(model, processor):
+    """A non-prefix mask (a realtime frame window): when no row sees frame 0, the outputs do not depend on frame 0's
+    pixels; rows that see frame 1 still change with frame 1's."""
+    base = two_image_inputs(processor, noise_image(60), noise_image(61))
+    window = base["cross_attention_mask"].clone()
+    window[..., 0] = True  # True = masked: frame 0 hidden from every row
+    pad_id = model.config.image_token_id
+    second_pad = int((base["input_ids"][0] == pad_id).nonzero()[1])
+
+    def with_window(inputs):
+        return logits_of(model, {**inputs, "cross_attention_mask": window})
+
+    reference = with_window(base)
+    torch.testing.assert_close(
+        with_window(two_image_inputs(processor, noise_image(62), noise_image(61))), reference, rtol=1e-5, atol=1e-5
+    )
+    second_changed = with_window(two_image_inputs(processor, noise_image(60), noise_image(63)))
+    assert not torch.allclose(second_changed[second_pad:], reference[second_pad:])
+    assert not torch.allclose(reference, logits_of(model, base)), "hiding frame 0 changes what later rows compute"
