@@ -15,8 +15,8 @@ Query forms (one JSON object per query):
 
 Stream protocol of ``offline_generate``: per query ``<|round_start|>``, text pieces, ``<|round_end|>``; a failed
 query puts ``"[ERROR] <message>"`` before ``<|round_end|>``; ``{"stop_offline_generate": True}`` ends the loop
-(``{"stop_online_generate": True}`` ends ``online_generate``). Realtime sessions report a failed turn as an
-``"[ERROR] ..."`` output piece.
+(``{"stop_online_generate": True}`` ends ``online_generate``). A realtime stream reports its failure, or a bad
+queued message, as an ``"[ERROR] ..."`` output piece.
 """
 
 from __future__ import annotations

@@ -274,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument(
         "--prompt",
         default=None,
-        help=f"question answered once the first frame arrives (default {DEFAULT_PROMPT!r}; none for datasets)",
+        help=f"the first user turn, in the initial prefill before any frame (default {DEFAULT_PROMPT!r}; for a "
+        "dataset its first user turn, if any)",
     )
     prompts.add_argument(
         "--prompt-frame-first",
@@ -305,10 +306,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a subtitle: TEXT asked together with the first frame at or after SECONDS (repeatable)",
     )
     prompts.add_argument(
-        "--system-prompt", default=None, help="system prompt (default: the dataset entry's, else none)"
+        "--system-prompt",
+        default=None,
+        help="system prompt (default: the dataset entry's, else the checkpoint's default realtime system prompt)",
     )
     prompts.add_argument(
-        "--frame-queue-size", type=int, default=256, help="frames kept in the session window (default 256)"
+        "--frame-queue-size",
+        type=int,
+        default=256,
+        help="frames waiting for the stream at most; a full queue drops its oldest frame without a prompt "
+        "(default 256)",
     )
     prompts.add_argument(
         "--max-new-tokens",
