@@ -171,3 +171,22 @@ def through_stock_method(native, q, k, v, boundaries, scale, logit_cap=0.0):
         cross_attention_custom_mask=packed_mask(boundaries, encoder_len),
     )
     return output.transpose(0, 1)
+
+
+def masked_fp64_reference(q, k, v, attended, scale):
+    """q ``[B, Hq, L, D]``, k/v ``[B, Hk, S, D]``, attended bool broadcastable to ``[B, 1, L, S]`` (True = the row
+    sees the key) -> (out ``[B, Hq, L, D]``, natural-log lse ``[B, Hq, L]``), fp64; rows that see nothing: 0, -inf."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    logits = torch.matmul(q.double(), k.transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~attended, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.exp(logits - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
+    return torch.matmul(probs, v), lse
+
+
+def masked_same_dtype(q, k, v, attended, scale):
+    """One dense SDPA in the inputs' dtype with the same bool mask (True = attend); rows that see nothing: 0."""
+    attended = attended.expand(q.shape[0], 1, q.shape[2], k.shape[2])
+    out = scaled_dot_product_attention(q, k, v, attn_mask=attended, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.masked_fill(~attended.any(-1)[..., None], 0.0)
