@@ -764,6 +764,24 @@ def test_upstream_readme_command_line_runs(tiny_model):
     assert "\nAssistant: " in completed.stdout, "the prompt sent with the first frame opens a round"
 
 
+def test_cli_drives_a_session_with_only_the_upstream_api(monkeypatch, capsys):
+    """The CLI against the stand-in (no wait_until_parked either): frames, the first-frame prompt and a timed
+    prompt go through push_prompt_frame/push_frame/push_prompt, output is rendered, the drain ends on quiet and the
+    session is closed."""
+    model = RecordingModel()
+    monkeypatch.setattr(online, "load_realtime_model", lambda args: (model, object(), {}))
+    argv = ["--checkpoint", "stand-in", "--source", "synthetic", "--synthetic-duration", "2", "--sample-fps", "2"]
+    argv += ["--playback-speed", "0", "--prompt", "first", "--prompt-frame-first", "--prompt-at", "1.0=later"]
+    argv += ["--drain-seconds", "0.3", "--max-tokens-per-second", "5"]
+    assert online.main(argv) == 0
+    session = model.sessions[0]
+    assert [t for t, _ in session.frames] == [0.0, 0.5, 1.0, 1.5]
+    assert session.prompts == ["first", "later"] and session.closed
+    assert model.created_with[0]["initial_prompt"] == "" and model.created_with[0]["max_tokens_per_turn"] == 5.0
+    printed = capsys.readouterr().out
+    assert "<first|1 frames>" in printed and "<later|3 frames>" in printed and "final queued piece" in printed
+
+
 def test_cli_reports_a_missing_camera_clearly():
     if Path("/dev/video0").exists():
         pytest.skip("this machine has a camera")
@@ -854,6 +872,8 @@ def test_serve_on_loopback_with_uvicorn(tmp_path):
             assert refused.value.rcvd.code == 1013
             ws.send(json.dumps({"type": "frame", "timestamp": 0.0}))
             ws.send(png_bytes(size=(64, 64)))
+            ws.send(json.dumps({"type": "frame", "timestamp": 0.5}))
+            ws.send(b"not an image")  # its own error; the stream goes on
             ws.send(json.dumps({"type": "prompt", "text": "What colour is it?"}))
             ws.send(json.dumps({"type": "stop"}))
             messages = []
@@ -863,7 +883,8 @@ def test_serve_on_loopback_with_uvicorn(tmp_path):
                 ws.recv(timeout=30)
             assert closed.value.rcvd.code == 1000
         kinds = [m["type"] for m in messages]
-        assert "frame_ack" in kinds and "prompt_ack" in kinds and "error" not in kinds, messages
+        assert "frame_ack" in kinds and "prompt_ack" in kinds and kinds.count("error") == 1, messages
+        assert kinds.index("error") < kinds.index("prompt_ack"), "the prompt after the bad frame still went in"
         assert kinds.index("output") < kinds.index("session_end"), messages
         with connect(f"ws://127.0.0.1:{port}/v1/realtime") as leaving:  # served at once; then it just leaves
             leaving.send(json.dumps({"type": "start"}))
