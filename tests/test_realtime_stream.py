@@ -7,9 +7,11 @@ the row before it, and the stream's logits must equal the cold ones within 1e-5.
 against literal strings written here, not the module's helpers.
 """
 
+import os
 import re
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -294,17 +296,26 @@ def test_turn_limit_and_rate_cap(checkpoint, processor):
     assert elapsed >= (limit - 1) / rate, f"{limit} tokens in {elapsed:.3f}s exceed {rate} tokens/s"
 
 
+def thread_cpu_seconds(native_id: int) -> float:
+    """CPU time (user + system) of one thread of this process, from /proc (Linux)."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_parked_stream_uses_no_cpu(model, rt_processor):
+    """The stream's own thread, not the whole process: other test modules may leave idle helper threads behind.
+    (benchmarks/bench_realtime_reference.py reports the process's CPU time over a 5 s park.)"""
     session = start(model, rt_processor)
     try:
         assert session.wait_until_parked(WAIT)
-        cpu_before, wall_before = time.process_time(), time.monotonic()
+        worker = session.worker.native_id
+        cpu_before, wall_before = thread_cpu_seconds(worker), time.monotonic()
         threading.Event().wait(2.0)
-        cpu = time.process_time() - cpu_before
+        cpu = thread_cpu_seconds(worker) - cpu_before
         assert session.parked and time.monotonic() - wall_before >= 2.0
     finally:
         session.close(timeout=WAIT)
-    assert cpu < 0.05, f"parked for 2 s, the process used {cpu:.3f} s of CPU"
+    assert cpu <= 0.02, f"parked for 2 s, the stream's thread used {cpu:.3f} s of CPU"
 
 
 def test_bad_frame_fails_its_push_and_the_stream_goes_on(model, rt_processor):
