@@ -512,6 +512,8 @@ def stream_source(args: argparse.Namespace) -> int:
         max_tokens_per_turn=args.max_tokens_per_second,
         **generation_kwargs(vars(args)),
     )
+    if prompt:  # before the stream starts, so its round comes after the question
+        print(f"[t=   0.00s] > {prompt}", flush=True)
     session.start()
     last_output = [time.monotonic()]
     printer = threading.Thread(
@@ -521,8 +523,6 @@ def stream_source(args: argparse.Namespace) -> int:
         daemon=True,
     )
     printer.start()
-    if prompt:
-        print(f"[t=   0.00s] > {prompt}", flush=True)
 
     def announce(event: PromptEvent) -> None:
         print(f"\n[t={event.timestamp:7.2f}s] > {event.text}", flush=True)
