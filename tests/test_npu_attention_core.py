@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mossvl_ascend.attention import core
+from mossvl_ascend.attention.core import AttentionLayer, attention
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
 from mossvl_ascend.attention.primitives import NPU_COMPRESSED_MASK_SIZE
 from support.attention import (
@@ -33,6 +34,8 @@ from support.attention import (
     batch_metadata,
     build_paged_batch,
     errors_against_fp64,
+    reference_cross_extend,
+    reference_self_extend,
     run_core_layer,
 )
 from support.simulated_npu import HostReads, npu_attention_on_cpu
@@ -219,3 +222,19 @@ def test_cpu_path_keeps_its_kernel_flag_and_masks(monkeypatch):
     batch = npu_batch(PREFIXED_SELF, NPU_SHAPES["tiny"], torch.float32)
     groups = core._build_groups(batch_metadata(batch), batch.req_to_token, batch.req_pool_indices, False)
     assert all(group.visible is not None and not group.by_lengths for group in groups)
+
+
+@pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
+def test_softcapped_layers_turn_the_lengths_into_a_mask(monkeypatch, cross):
+    """No fused op has a softcap: with the NPU routing such a layer takes the plain path, its lengths and causal
+    limit become a mask there (fp32, against the dense softcapped reference)."""
+    requests = CROSS_BOUNDARIES if cross else PREFIXED_SELF
+    batch = npu_batch(requests, NPU_SHAPES["tiny"], torch.float32, seed=9)
+    scale = batch.query.shape[-1] ** -0.5
+    layer = AttentionLayer(cross, scale, not cross, logit_cap=1.5)
+    with npu_attention_on_cpu(monkeypatch) as calls:
+        args = (batch.query, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices)
+        out = attention(*args, batch_metadata(batch), layer)
+    assert calls == []
+    reference = (reference_cross_extend if cross else reference_self_extend)(batch, scale, 1.5)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)

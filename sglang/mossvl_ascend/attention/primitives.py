@@ -46,7 +46,8 @@ NPU_COMPRESSED_MASK_SIZE = 2048
 @dataclass(frozen=True)
 class BatchLengths:
     """Per batch entry, host ints: its real query rows (the first ``queries[b]``; later rows are padding, with any
-    output) and the keys it may see (the first ``keys[b]``; with ``causal``, ``keys[b] >= queries[b]``)."""
+    output) and the keys it may see (the first ``keys[b]``, at least one; with ``causal``, ``keys[b] >=
+    queries[b]``). An entry that would see no key belongs in no call (its output is 0)."""
 
     queries: tuple[int, ...]
     keys: tuple[int, ...]
@@ -82,7 +83,7 @@ def attention_with_lse(
     fused = FUSED_ATTENTION_BY_DEVICE.get(q.device.type)
     if fused is not None and fused.takes_lengths and not logit_cap and q.shape[-1] == v.shape[-1]:
         out, lse = fused.attend(q, k, v, scale, visible=visible, lengths=lengths, causal=causal)
-        return _zero_blind_rows(out, lse, visible, lengths, every_row_sees_a_key)
+        return _zero_blind_rows(out, lse, visible, every_row_sees_a_key)
     if lengths is not None:
         visible = _visible_within(lengths, rows, k.shape[2], causal, q.device, visible)
         causal, every_row_sees_a_key = False, every_row_sees_a_key or causal
@@ -93,19 +94,14 @@ def attention_with_lse(
     if logit_cap > 0 or q.shape[-1] != v.shape[-1] or fused is None:
         return plain_attention_with_lse(q, k, v, scale, visible=visible, logit_cap=logit_cap)
     out, lse = fused.attend(q, k, v, scale, visible=visible)
-    return _zero_blind_rows(out, lse, visible, None, every_row_sees_a_key)
+    return _zero_blind_rows(out, lse, visible, every_row_sees_a_key)
 
 
-def _zero_blind_rows(out, lse, visible, lengths, every_row_sees_a_key):
-    """Rows that see no key: out 0, lse -inf (a fused op leaves them unspecified)."""
-    blind = None
-    if visible is not None and not every_row_sees_a_key:
-        blind = ~visible.any(dim=-1)  # [B or 1, 1, L]
-    if lengths is not None and 0 in lengths.keys:  # the core never sends such an entry: no copy per layer there
-        keyless = torch.tensor([keys == 0 for keys in lengths.keys], device=out.device).view(-1, 1, 1)
-        blind = keyless if blind is None else blind | keyless
-    if blind is None:
+def _zero_blind_rows(out, lse, visible, every_row_sees_a_key):
+    """Rows of ``visible`` that see no key: out 0, lse -inf (a fused op leaves them unspecified)."""
+    if visible is None or every_row_sees_a_key:
         return out, lse
+    blind = ~visible.any(dim=-1)  # [B or 1, 1, L]
     return out.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, float("-inf"))
 
 
