@@ -859,7 +859,9 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
         batch = input_ids.shape[0]
         image_token_id = self.config.image_token_id
         cross_kv, key_frame, key_valid, frame_grids = {}, None, None, [[] for _ in range(batch)]
-        if pixel_values is not None and grid_thw is not None and grid_thw.numel():
+        # A text-only prompt carries the processor's placeholder frame, which no <|image_pad|> token refers to.
+        has_frames = bool((input_ids == image_token_id).any())
+        if pixel_values is not None and grid_thw is not None and grid_thw.numel() and has_frames:
             states, key_frame, key_valid, frame_grids = self.encoder_batch(
                 pixel_values, grid_thw, media_nums_per_sample, batch, vision_chunked_length
             )

@@ -31,6 +31,8 @@ from transformers import BaseImageProcessor, BatchFeature, ProcessorMixin
 IMAGE_PLACEHOLDER = "<|image|>"
 VIDEO_PLACEHOLDER = "<|video|>"
 IMAGE_PAD = "<|image_pad|>"
+# The blank frame (t, h, w in patches) the real processor attaches to a text-only prompt.
+PLACEHOLDER_GRID = (1, 8, 8)
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 TIME_START = "<|time_start|>"
@@ -380,7 +382,22 @@ class MossVLProcessor(ProcessorMixin):
             data["grid_thw"] = torch.tensor([grid for _, grid in media], dtype=torch.long)
             data["media_nums_per_sample"] = media_nums
             data["cross_attention_mask"] = self.frame_visibility_mask(encoded["input_ids"])
+        else:
+            data.update(self.text_only_placeholder(media_processor, len(texts)))
         return BatchFeature(data, tensor_type=None)
+
+    @staticmethod
+    def text_only_placeholder(media_processor: "MossVLImageProcessor", batch: int) -> dict:
+        """What the real checkpoint's processor returns for a text-only batch: one blank frame of 8 x 8 patches
+        (``pixel_values`` zeros, ``grid_thw [[1, 8, 8]]``) that no sample counts as a medium
+        (``media_nums_per_sample`` all 0) and no ``<|image_pad|>`` token refers to. The model ignores it (no image
+        token, no encoder); an engine must not turn it into encoder tokens."""
+        patch_dim = 3 * media_processor.temporal_patch_size * media_processor.patch_size**2
+        return {
+            "pixel_values": torch.zeros(PLACEHOLDER_GRID[1] * PLACEHOLDER_GRID[2], patch_dim),
+            "grid_thw": torch.tensor([PLACEHOLDER_GRID], dtype=torch.long),
+            "media_nums_per_sample": [0] * batch,
+        }
 
     def frame_visibility_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(batch, 1, text_len, max_frames) bool, True = masked. Frame f of a sample is visible

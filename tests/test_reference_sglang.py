@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from moss_vl_reference.modeling_moss_vl import compute_xrope_positions
+from mossvl_ascend import text_only_requests
 from serving.launch import free_port
 
 ASSETS = Path(__file__).parent / "assets"
@@ -141,15 +142,31 @@ def test_stock_processor_positions_and_visibility_equal_ours(sglang_processor, p
     assert torch.equal(counts.long(), pads)
 
 
-def test_stock_processor_accepts_text_only_output(sglang_processor, processor):
-    inputs = processor(text="<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n")
-    assert "pixel_values" not in inputs and "grid_thw" not in inputs
-    assert sglang_processor._build_mm_items(dict(inputs), inputs["input_ids"].flatten()) == []
+def test_stock_processor_gives_a_text_only_prompt_no_media(sglang_processor, processor):
+    """Text only, our processor returns the real checkpoint's placeholder frame. Stock's position code fails on it
+    and its item builder turns it into a 17-slot junk encoder; through the plugin's hook the request has no media."""
+    text = "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+    raw = processor(text=text)
+    assert raw["grid_thw"].tolist() == [[1, 8, 8]] and not raw["pixel_values"].any()
+    assert raw["media_nums_per_sample"] == [0] and "cross_attention_mask" not in raw
+    with pytest.raises(ValueError, match="found 1 frame"):
+        sglang_processor._compute_position_metadata(
+            raw["input_ids"], raw["attention_mask"], raw["grid_thw"], raw["media_nums_per_sample"]
+        )
+    assert len(sglang_processor._build_mm_items(dict(raw), raw["input_ids"].flatten())) == 1
+    # The hook on process_mm_data, given the HF processor's outputs as the wrapped call (the served tests run it
+    # inside the real processor pipeline).
+    inputs = text_only_requests.without_unreferenced_media(lambda _: dict(raw), sglang_processor)
+    image = processor(text="<|image|>hi", images=[str(ASSETS / "square_64.png")])
+    assert text_only_requests.without_unreferenced_media(lambda _: image, sglang_processor) is image
+    assert inputs.get("pixel_values") is None and inputs.get("grid_thw") is None
+    assert sglang_processor._build_mm_items(dict(inputs), torch.as_tensor(inputs["input_ids"]).flatten()) == []
+    input_ids = torch.as_tensor(inputs["input_ids"])
     mrope, delta, vision_ids, _ = sglang_processor._compute_position_metadata(
-        inputs["input_ids"], inputs["attention_mask"], None, None
+        input_ids, torch.as_tensor(inputs["attention_mask"]), None, None
     )
     assert vision_ids is None
-    assert torch.equal(mrope[0, 0], torch.arange(inputs["input_ids"].shape[1]))
+    assert torch.equal(mrope[0, 0], torch.arange(input_ids.shape[1]))
 
 
 def test_xrope_rotation_equals_stock_cross_and_self_attention(sglang_model, ours, processor):

@@ -25,6 +25,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "paged_decode",
     "encoder_cache_key",
     "request_validation",
+    "text_only_requests",
     "chunked_prefill",
     "media_retention",
     "text_row_gate",

@@ -22,9 +22,16 @@ def _owner_and_attr(target: str):
     return pkgutil.resolve_name(owner_path), attr
 
 
+# A target a class inherits (not in its own __dict__) is restored by deleting the wrapper set on the class.
+_INHERITED = object()
+
+
 def _restore(owner, attr: str, original) -> None:
     """Put ``original`` back on ``owner`` and in every module that received the wrapped copy."""
     wrapped = owner.__dict__[attr]
+    if original is _INHERITED:
+        delattr(owner, attr)
+        return
     setattr(owner, attr, original)
     if wrapped is original:
         return
@@ -50,7 +57,7 @@ def patches_applied(*patches: Patch):
     originals = []
     for target in HookRegistry._hooks:
         owner, attr = _owner_and_attr(target)
-        originals.append((owner, attr, owner.__dict__[attr]))
+        originals.append((owner, attr, owner.__dict__.get(attr, _INHERITED)))
     HookRegistry.apply_hooks()
     assert HookRegistry._patched == set(HookRegistry._hooks), "a hook failed to apply"
     try:
