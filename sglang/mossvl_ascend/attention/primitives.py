@@ -163,7 +163,9 @@ def npu_attention_with_lse(q, k, v, scale, *, visible=None, lengths=None, causal
 
     options = {}
     if lengths is not None:
-        options.update(actual_seq_lengths=list(lengths.queries), actual_seq_lengths_kv=list(lengths.keys))
+        options["actual_seq_lengths_kv"] = list(lengths.keys)
+        if q.shape[2] > 1:  # the op ignores query lengths at one row; stock and vllm-ascend decode pass none
+            options["actual_seq_lengths"] = list(lengths.queries)
     if causal and q.shape[2] > 1:
         options.update(atten_mask=npu_compressed_causal_mask(q.device), sparse_mode=3)
     elif visible is not None:
