@@ -1,13 +1,13 @@
 """Reference realtime stream: work per step early and late in a stream, against the old per-prompt re-encode.
 
-For each preset (random weights, fp32, CPU) a `RealtimeStream` is grown frame by frame (--size x --size noise
-frames, one generated token with each frame, the realtime loop's unit of work). A step is one frame arriving with
-one token: the new frame through the vision tower, its K/V appended to every cross-attention cache, the token and
-the frame's text through the decoder. Its time is the median of --repeats steps taken at frame 10 and at frame
---late (200), beside a decode step (one token, no frame) at the same points. The old reference session answered
-every prompt by re-encoding the whole frame window as one video and prefilling it; its cost is measured here as
-that prefill (the processor over the window's frames, then the model up to the first token) with 10 and --late
-frames in the window. The vision tower's frame count is checked: every frame is encoded exactly once.
+For each preset (random weights, fp32, CPU) two `RealtimeStream`s are grown frame by frame (--size x --size noise
+frames, one generated token with each frame, the realtime loop's unit of work), one to frame 10 and one to frame
+--late (200). A step is one frame arriving with one token: the new frame through the vision tower, its K/V appended
+to every cross-attention cache, the token and the frame's text through the decoder. Its time is the median of
+--repeats steps of each stream, taken alternately, beside a decode step (one token, no frame). The old reference
+session answered every prompt by re-encoding the whole frame window as one video and prefilling it; its cost is
+measured here as that prefill (the processor over the window's frames, then the model up to the first token) with
+10 and --late frames in the window. The vision tower's frame count is checked: every frame is encoded exactly once.
 
 Then a parked session (the tiny-realtime checkpoint, after <|silence|> with nothing pending) is left alone for
 --park-seconds and the process's CPU time over that wait is printed.
@@ -101,23 +101,28 @@ def reencode_seconds(model, processor, frames: int, size: int) -> float:
 
 
 def measure_preset(preset: str, late: int, repeats: int, size: int) -> dict:
+    """Two streams, one grown to frame 10 and one to frame `late`, stepped alternately: a change in the machine's
+    load (it is shared) then hits both medians alike instead of skewing their ratio."""
     model, processor = load(preset)
-    driver = StreamDriver(model, processor, size)
-    for _ in range(repeats):  # warm-up: the first calls of each shape pay for allocations and kernel selection
-        driver.frame_step()
-        driver.decode_step()
-    row = {"preset": preset}
+    drivers = {"early": StreamDriver(model, processor, size), "late": StreamDriver(model, processor, size)}
     for label, point in (("early", EARLY), ("late", late)):
-        while driver.stream.frames_seen < point:
-            driver.frame_step()
-        row[f"frame_{label}"] = statistics.median(driver.frame_step() for _ in range(repeats))
-        row[f"decode_{label}"] = statistics.median(driver.decode_step() for _ in range(repeats))
-    if driver.stream.vision_frames_encoded != driver.stream.frames_seen:
-        raise AssertionError(
-            f"vision tower encoded {driver.stream.vision_frames_encoded} frames for {driver.stream.frames_seen}"
-        )
-    row["frames"] = driver.stream.frames_seen
-    row["tokens"] = len(driver.stream.tokens)
+        while drivers[label].stream.frames_seen < point:
+            drivers[label].frame_step()
+        for _ in range(repeats):  # warm-up: the first calls of each shape pay for allocations
+            drivers[label].decode_step()
+    samples = {f"{kind}_{label}": [] for kind in ("frame", "decode") for label in drivers}
+    for _ in range(repeats):
+        for label, driver in drivers.items():
+            samples[f"frame_{label}"].append(driver.frame_step())
+            samples[f"decode_{label}"].append(driver.decode_step())
+    row = {"preset": preset, **{key: statistics.median(values) for key, values in samples.items()}}
+    for driver in drivers.values():
+        if driver.stream.vision_frames_encoded != driver.stream.frames_seen:
+            raise AssertionError(
+                f"vision tower encoded {driver.stream.vision_frames_encoded} frames for {driver.stream.frames_seen}"
+            )
+    row["frames"] = drivers["late"].stream.frames_seen
+    row["tokens"] = len(drivers["late"].stream.tokens)
     row["reencode_early"] = reencode_seconds(model, processor, EARLY, size)
     row["reencode_late"] = reencode_seconds(model, processor, late, size)
     return row

@@ -827,9 +827,13 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
         ] & attention_mask.bool()[:, None, :]
         dense = takes_dense_mask(self.config.text_config._attn_implementation)
         self_mask = additive_bias(allowed.unsqueeze(1), dtype) if dense else attention_mask
+        if dense and length == 1 and bool(allowed.all()):
+            # One row that sees every key: no mask, so sdpa reads grouped K/V heads in place instead of copying
+            # them per query head every step (same result; a long stream's decode step would grow with it).
+            self_mask = None
         cross_bias, row_sees_vision = None, None
         if sees is not None:
-            cross_bias = additive_bias(sees.unsqueeze(1), dtype)
+            cross_bias = None if bool(sees.all()) else additive_bias(sees.unsqueeze(1), dtype)
             row_sees_vision = sees.any(dim=-1, keepdim=True).to(dtype)
         for index, layer in enumerate(self.model.language_model.layers):
             hidden = layer(
