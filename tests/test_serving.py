@@ -40,15 +40,23 @@ PARITY_ORDER = ["image_data_url", "two_images", "three_turns", "video", "text_on
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     model, processor = load_reference(checkpoint)
-    return {name: reference_ids(model, processor, CASES[name]) for name in PARITY_ORDER}
+    return {name: reference_ids(model, processor, CASES[name]) for name in PARITY_ORDER + ["long_question"]}
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint, reference):
+# Page size 1 is sglang's CPU default; 128 is the NPU's, where a request's encoder and text share pages.
+@pytest.fixture(scope="module", params=[1, 128], ids=lambda size: f"page{size}")
+def server(request, checkpoint, reference):
     with SglangServer(
         checkpoint,
-        extra_args=["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"],
-        name="test-serving",
+        extra_args=[
+            "--dtype",
+            "float32",
+            "--skip-server-warmup",
+            "--enable-cache-report",
+            "--page-size",
+            str(request.param),
+        ],
+        name=f"test-serving-page{request.param}",
     ) as running:
         yield running
 
@@ -73,10 +81,20 @@ def test_greedy_tokens_equal_the_reference_model(client, model_name, reference, 
 
 
 def test_same_request_twice_hits_the_radix_cache_with_identical_output(client, model_name, reference):
-    first = served_ids(client, model_name, CASES["image_data_url"])
-    second = served_ids(client, model_name, CASES["image_data_url"])
-    assert cached_tokens(second["usage"]) > 0
-    assert first["completion_ids"] == second["completion_ids"] == reference["image_data_url"][1]
+    first = served_ids(client, model_name, CASES["long_question"])
+    second = served_ids(client, model_name, CASES["long_question"])
+    assert cached_tokens(second["usage"]) >= 128  # at least one whole page, at page size 128 too
+    assert first["completion_ids"] == second["completion_ids"] == reference["long_question"][1]
+
+
+def test_a_text_only_request_gets_no_encoder_tokens(client, model_name, reference):
+    """The processor attaches the real checkpoint's placeholder frame to a text-only prompt; the request must still
+    have no encoder slots (prompt tokens = text tokens) and answer like the reference, which ignores the frame."""
+    served = served_ids(client, model_name, CASES["text_only"])
+    assert served["usage"].prompt_tokens == len(reference["text_only"][0])
+    assert served["completion_ids"] == reference["text_only"][1]
+    image = served_ids(client, model_name, CASES["image_data_url"])
+    assert image["usage"].prompt_tokens > len(reference["image_data_url"][0])  # an image request's count has them
 
 
 def test_streaming_with_usage_equals_the_non_streamed_answer(client, model_name):

@@ -72,6 +72,32 @@ CASES = {
 }
 
 
+def long_question(i: int) -> str:
+    words = " ".join(f"detail {k} of scene {i}" for k in range(40 + 5 * i))
+    return f"Question {i}: look closely at every frame and list each {words}. What changes?"
+
+
+def long_case(i: int) -> list[dict]:
+    """A video (even i) or an image (odd i) with a question of ~300 text rows: chunked at any size, several pages."""
+    media = (
+        {"type": "video", "video": str(ASSETS / "moving_square_3s.mp4")}
+        if i % 2 == 0
+        else {"type": "image", "image": str(ASSETS / "gradient_96x64.png")}
+    )
+    return [{"role": "user", "content": [media, {"type": "text", "text": long_question(i)}]}]
+
+
+# Longer than a 128-token page (the NPU's): the radix cache keeps whole pages only.
+CASES["long_question"] = long_case(1)
+
+
+def short_case(i: int) -> list[dict]:
+    """A short text-only (even i) or one-image (odd i) request."""
+    if i % 2 == 0:
+        return [{"role": "user", "content": f"Say hi number {i}."}]
+    return [image("square_64.png", f"Short look {i}?")]
+
+
 def to_openai(messages: list[dict]) -> list[dict]:
     """Reference-form messages -> OpenAI chat messages with media inlined as data URLs."""
     converted = []
@@ -126,17 +152,45 @@ def cached_tokens(usage) -> int:
     return (details.cached_tokens or 0) if details is not None else 0
 
 
-def served_prompt_logprobs(base_url: str, text: str, image_urls=(), video_urls=()) -> list[list]:
-    """sglang's ``input_token_logprobs`` (``[logprob, token id, ...]`` per prompt token, the first logprob None) from
-    native ``/generate``: ``text`` with its media placeholders, the media as URLs, one greedy token."""
+def served_token_logprobs(base_url: str, text: str, image_urls=(), video_urls=(), max_new_tokens: int = 1):
+    """sglang's ``(input_token_logprobs, output_token_logprobs)`` (``[logprob, token id, ...]`` per token, the first
+    prompt logprob None) from native ``/generate``: ``text`` with its media placeholders, the media as URLs, greedy,
+    never stopping at EOS."""
     body = {
         "text": text,
         "image_data": list(image_urls) or None,
         "video_data": list(video_urls) or None,
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
         "return_logprob": True,
         "logprob_start_len": 0,
     }
     response = requests.post(f"{base_url}/generate", json=body, timeout=600)
     response.raise_for_status()
-    return response.json()["meta_info"]["input_token_logprobs"]
+    meta = response.json()["meta_info"]
+    return meta["input_token_logprobs"], meta["output_token_logprobs"], meta["prompt_tokens"]
+
+
+def served_prompt_logprobs(base_url: str, text: str, image_urls=(), video_urls=()) -> list[list]:
+    """The prompt half of :func:`served_token_logprobs`, one greedy token."""
+    return served_token_logprobs(base_url, text, image_urls, video_urls)[0]
+
+
+def chat_logprobs(base_url: str, processor, messages: list[dict], max_new_tokens: int = 1) -> dict:
+    """Ids and logprobs of a chat's prompt text tokens and of ``max_new_tokens`` greedy tokens: native ``/generate``
+    on the chat template's text with its media placeholders and the media as data URLs (the path sglang accepts for
+    a video as well as for images)."""
+    media = [part for m in to_openai(messages) if isinstance(m["content"], list) for part in m["content"]]
+    prompt, output, prompt_tokens = served_token_logprobs(
+        base_url,
+        processor.apply_chat_template(messages, add_generation_prompt=True),
+        image_urls=[p["image_url"]["url"] for p in media if p["type"] == "image_url"],
+        video_urls=[p["video_url"]["url"] for p in media if p["type"] == "video_url"],
+        max_new_tokens=max_new_tokens,
+    )
+    return {
+        "ids": [entry[1] for entry in prompt],
+        "logprobs": [entry[0] for entry in prompt if entry[0] is not None],
+        "output_ids": [entry[1] for entry in output],
+        "output_logprobs": [entry[0] for entry in output],
+        "prompt_tokens": prompt_tokens,
+    }
