@@ -60,23 +60,32 @@ MESSAGES = [
     }
 ]
 DECODE_STEPS = 8
-BASE_ARGS = ["--dtype", "bfloat16", "--skip-server-warmup", "--enable-mixed-chunk", "--chunked-prefill-size", "16"]
+BASE_ARGS = [
+    "--dtype",
+    "bfloat16",
+    "--skip-server-warmup",
+    "--disable-radix-cache",
+    "--enable-mixed-chunk",
+    "--chunked-prefill-size",
+    "16",
+]
 
 
-def generate(base_url, text, max_new_tokens, sampling=None, media=True):
-    """Native ``/generate``: (prompt [(logprob, id)], output [(logprob, id)]); greedy unless ``sampling``."""
+def generate(base_url, text, max_new_tokens, sampling=None, media=True, logprobs=True):
+    """Native ``/generate``: (prompt [(logprob, id)], output [(logprob, id)]) with ``logprobs``; greedy unless
+    ``sampling``. Requests without logprobs can share a forward with decoding ones (sglang mixes only those)."""
     body = {
         "text": text,
         "image_data": [file_data_url(path) for path in IMAGES] if media else None,
         "video_data": [file_data_url(VIDEO)] if media else None,
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **(sampling or {})},
-        "return_logprob": True,
+        "return_logprob": logprobs,
         "logprob_start_len": 0,
     }
     response = requests.post(f"{base_url}/generate", json=body, timeout=600)
     response.raise_for_status()
     meta = response.json()["meta_info"]
-    return meta["input_token_logprobs"], meta["output_token_logprobs"]
+    return (meta["input_token_logprobs"], meta["output_token_logprobs"]) if logprobs else None
 
 
 def prompt_logprobs(model, inputs) -> torch.Tensor:
@@ -112,11 +121,11 @@ def serve_route(checkpoint, tmp_path, reference, mode):
         prompt, output = generate(server.base_url, reference["text"], DECODE_STEPS)
         sampled = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
         decoding = threading.Thread(
-            target=generate, args=(server.base_url, "Tell me a long story about cats.", 256, sampled, False)
+            target=generate, args=(server.base_url, "Tell me a long story about cats.", 256, sampled, False, False)
         )
         decoding.start()
         time.sleep(0.5)
-        generate(server.base_url, reference["text"], 2)
+        generate(server.base_url, reference["text"], 2, logprobs=False)
         decoding.join()
     return {"prompt": prompt, "output": output, "route": json.loads(record.read_text())}
 
@@ -164,6 +173,7 @@ def test_npu_route_took_the_npu_implementations(served):
         assert route["torch_npu_ops"].get(op, 0) > 0, op
     assert route["torch_npu_ops"].get("_npu_reshape_and_cache", 0) > 0
     assert route["torch_npu_ops"].get("npu_top_k_top_p", 0) > 0  # the sampled request of the second phase
+    assert route["mixed_batches"] > 0, "the second phase never put decode rows and a prefill in one forward"
     cpu_modules = served["cpu"]["route"]["modules"]
     assert cpu_modules["sglang.srt.layers.layernorm.RMSNorm"] == ["forward_native"]
     assert served["cpu"]["route"]["torch_npu_ops"] == {}

@@ -11,7 +11,7 @@ KV cache is stock's ``NPUMHATokenToKVPool``, and the sampler takes the ascend ba
 Recorded (rewritten after every model forward and every sampling step): each module class that ran, with the
 method its dispatch chose (``BaseFusedOp``) or the backend it used (``RadixAttention``: the attention backend class
 and forward mode; ``VisionAttention``: its ``qkv_backend`` class; ``Sampler``: plain or ascend), the KV pool class,
-and how often each stand-in ``torch_npu`` op was called.
+how often each stand-in ``torch_npu`` op was called, and how many prefill batches took running decode rows in.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ _route = contextlib.ExitStack()  # the npu route stays entered for the process's
 _runner = []  # the model runner, once loaded
 _seen: dict[str, set] = defaultdict(set)
 _op_calls: Counter = Counter()
+_mixed_batches: list = []
 
 
 def install_probe(directory: Path) -> str:
@@ -52,6 +53,9 @@ def register() -> None:
 
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model", _after_model_load, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.mix_with_running", _count_mixed_batch, HookType.AFTER
     )
     if os.environ.get(MODE_ENV) == "npu":
         from mossvl_ascend import ascend_sampler, vision_rotary
@@ -91,6 +95,12 @@ def _after_model_load(result, runner, *args, **kwargs):
     _runner.append(runner)
     logger.warning("npu route probe (%s) recording into %s", os.environ.get(MODE_ENV, "cpu"), os.environ[PROBE_ENV])
     torch.nn.modules.module.register_module_forward_hook(_record_module, with_kwargs=True)
+    return result
+
+
+def _count_mixed_batch(result, *args, **kwargs):
+    """A prefill batch took the running decode rows in (``--enable-mixed-chunk``)."""
+    _mixed_batches.append(1)
     return result
 
 
@@ -134,5 +144,6 @@ def _dump(runner) -> None:
         "modules": {name: sorted(labels) for name, labels in sorted(_seen.items())},
         "kv_pool": f"{pool.__module__}.{pool.__qualname__}",
         "torch_npu_ops": dict(sorted(_op_calls.items())),
+        "mixed_batches": len(_mixed_batches),
     }
     Path(os.environ[PROBE_ENV]).write_text(json.dumps(record, indent=1))
