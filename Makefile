@@ -12,7 +12,7 @@ DEVICE ?= cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint test catalog demo serve tiny-model bench bench-serving clean
+.PHONY: help setup lint test catalog demo serve tiny-model bench bench-serving bench-realtime clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -57,6 +57,9 @@ bench: setup ## attention benchmarks: cross-attention (dense mask vs boundaries 
 
 bench-serving: setup ## sglang bench_serving (c=1, c=8) vs the reference model one by one, bench preset on CPU (~15 min)
 	$(CPU_ENV) $(PY) -m benchmarks.bench_serving $(ARGS)
+
+bench-realtime: setup ## reference realtime stream: step time at frame 10 and 200 (tiny, bench) vs the old per-prompt re-encode
+	$(CPU_ENV) $(PY) benchmarks/bench_realtime_reference.py
 
 clean: ## remove the venv and built artefacts
 	rm -rf $(VENV) build

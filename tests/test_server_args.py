@@ -70,7 +70,7 @@ def npu_memory_stand_in(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in ("MOSSVL_NPU_ENABLE_RADIX_CACHE", "ASCEND_USE_FIA", "ASCEND_USE_FA", "MOSSVL_NPU_PAGED_ATTENTION"):
+    for name in ("ASCEND_USE_FIA", "ASCEND_USE_FA", "MOSSVL_NPU_PAGED_ATTENTION"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -115,7 +115,7 @@ def test_npu_source_pr_command_and_short_form_resolve_to_ascend(model_dir, npu_m
     assert backends(short) == backends(full)
     assert full.mm_attention_backend == "ascend_attn"
     for view in (full, short):
-        assert view.disable_radix_cache is True
+        assert view.disable_radix_cache is False
         assert view.cuda_graph_config.decode.backend == "disabled"
         assert view.page_size == 128
 
@@ -132,18 +132,11 @@ def test_npu_keeps_explicit_user_backends(model_dir, npu_memory_stand_in):
     assert sampling.sampling_backend == "pytorch"
 
 
-def test_npu_radix_cache_disabled_with_one_reason_line(model_dir, npu_memory_stand_in, plugin_log):
-    view = resolve(model_dir, "--device", "npu")
-    assert view.disable_radix_cache is True
-    radix_lines = [r.getMessage() for r in plugin_log if "radix" in r.getMessage().lower()]
-    assert len(radix_lines) == 1
-    assert "20%" in radix_lines[0] and "MOSSVL_NPU_ENABLE_RADIX_CACHE" in radix_lines[0]
-
-
-def test_npu_radix_cache_opt_in(model_dir, npu_memory_stand_in, plugin_log, monkeypatch):
-    monkeypatch.setenv("MOSSVL_NPU_ENABLE_RADIX_CACHE", "1")
-    view = resolve(model_dir, "--device", "npu")
-    assert view.disable_radix_cache is False
+def test_npu_keeps_the_radix_cache_and_honours_disable_radix_cache(model_dir, npu_memory_stand_in, plugin_log):
+    """The source PR turned the radix cache off on NPU; its cause (decode overwriting prompt K/V at page 128) is
+    fixed by `paged_decode`, so the stock default (on) stands and the stock flag still turns it off."""
+    assert resolve(model_dir, "--device", "npu").disable_radix_cache is False
+    assert resolve(model_dir, "--device", "npu", "--disable-radix-cache").disable_radix_cache is True
     assert not [r for r in plugin_log if "radix" in r.getMessage().lower()]
 
 
@@ -223,7 +216,7 @@ def test_npu_source_pr_command_on_eight_cards(model_dir, npu_memory_stand_in, ra
     assert (view.tp_size, view.dp_size) == ((size, 1) if ranks_flag[0] == "--tp-size" else (1, size))
     assert backends(view) == ("ascend", "ascend", "ascend", "ascend")
     assert view.mm_attention_backend == "ascend_attn"
-    assert view.disable_radix_cache is True
+    assert view.disable_radix_cache is False
     assert view.cuda_graph_config.decode.backend == "disabled"
     assert view.page_size == 128
 
@@ -247,19 +240,16 @@ def text_model_dir(tmp_path):
 
 # (device flags, radix opt-in env on NPU, the radix cache state they resolve to)
 RADIX_CONFIGS = {
-    "npu": (["--device", "npu"], False, True),  # the NPU default: radix cache off
-    "npu-radix": (["--device", "npu"], True, False),
-    "cpu": (["--device", "cpu"], False, False),
-    "cpu-no-radix": (["--device", "cpu", "--disable-radix-cache"], False, True),
+    "npu": (["--device", "npu"], False),
+    "npu-no-radix": (["--device", "npu", "--disable-radix-cache"], True),
+    "cpu": (["--device", "cpu"], False),
+    "cpu-no-radix": (["--device", "cpu", "--disable-radix-cache"], True),
 }
 
 
 @pytest.fixture(params=list(RADIX_CONFIGS))
-def radix_config(request, monkeypatch):
-    argv, opt_in, radix_disabled = RADIX_CONFIGS[request.param]
-    if opt_in:
-        monkeypatch.setenv("MOSSVL_NPU_ENABLE_RADIX_CACHE", "1")
-    return argv, radix_disabled
+def radix_config(request):
+    return RADIX_CONFIGS[request.param]
 
 
 def test_default_chunk_size_is_the_stock_device_default(model_dir, text_model_dir, npu_memory_stand_in, radix_config):
