@@ -3,6 +3,9 @@
 Oracle: ``importlib.metadata.requires("sglang")`` of the installed, pinned wheel.
 """
 
+import subprocess
+import sys
+import zipfile
 from importlib.metadata import requires, version
 from pathlib import Path
 
@@ -106,3 +109,28 @@ def test_cpu_environment_installs_no_cuda_only_package():
 
     installed = {canonicalize_name(d.metadata["Name"]) for d in distributions()}
     assert not installed & CUDA_ONLY, sorted(installed & CUDA_ONLY)
+
+
+def test_the_plugin_wheel_ships_every_module(tmp_path):
+    """`pip install ./sglang` (the NPU closure) installs a wheel, not the CPU venv's editable tree: every module of
+    the package, subpackages included, must be in it (an explicit package list once left attention/ out)."""
+    plugin = REPO_ROOT / "sglang"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(plugin),
+        ],
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("*.whl")
+    shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
+    source = {path.relative_to(plugin).as_posix() for path in (plugin / "mossvl_ascend").rglob("*.py")}
+    assert source <= shipped, sorted(source - shipped)
