@@ -288,12 +288,18 @@ def test_vision_rotary_npu_rotates_like_fp64_with_cos_in_the_query_dtype(npu, dt
         assert within_budget(max_abs_error(npu_x, expected), max_abs_error(native_x, expected), dtype, 4)
 
 
-def test_moss_vl_vision_tower_hands_fp32_cos_to_the_npu_rotary(npu, checkpoint):
+@pytest.fixture(scope="module")
+def vision_towers(checkpoint):
+    """Stock MossVL's vision tower with the tiny checkpoint's weights, by dtype."""
+    return {dtype: stock_moss_vl(checkpoint, dtype).visual for dtype in (torch.bfloat16, torch.float32)}
+
+
+def test_moss_vl_vision_tower_hands_fp32_cos_to_the_npu_rotary(npu, checkpoint, vision_towers):
     """BUG (stock 0.5.23, NPU only): MossVLVisionModel builds its rotary cos/sin in fp32 and VisionAttention hands
     them, with bf16 q/k, to ``torch_npu.npu_rotary_mul``, whose kernel takes cos/sin of x's dtype only
     (aclnnRotaryPositionEmbedding); Qwen2.5-VL casts them to the activations' dtype first. The stand-in refuses the
     call as the kernel documents; the patch ``mossvl_ascend.vision_rotary`` casts them (next test)."""
-    model = tiny_vision_tower(checkpoint, torch.bfloat16)
+    model = vision_towers[torch.bfloat16]
     pixels, grid = vision_inputs(checkpoint)
     from sglang.srt.layers.attention import vision
     from sglang.srt.layers.rotary_embedding import utils as rotary_utils
@@ -304,18 +310,18 @@ def test_moss_vl_vision_tower_hands_fp32_cos_to_the_npu_rotary(npu, checkpoint):
         model(pixels, grid_thw=grid)
 
 
-def test_vision_rotary_patch_gives_the_npu_rotary_the_activation_dtype(npu, checkpoint):
+def test_vision_rotary_patch_gives_the_npu_rotary_the_activation_dtype(npu, checkpoint, vision_towers):
     from sglang.srt.layers.attention import vision
     from sglang.srt.layers.rotary_embedding import utils as rotary_utils
 
     from mossvl_ascend import vision_rotary
     from support.hooks import patches_applied
 
-    model = tiny_vision_tower(checkpoint, torch.bfloat16)
+    model = vision_towers[torch.bfloat16]
     pixels, grid = vision_inputs(checkpoint)
     with torch.no_grad():
         native = model(pixels, grid_thw=grid)
-        fp32 = tiny_vision_tower(checkpoint, torch.float32)(pixels, grid_thw=grid)
+        fp32 = vision_towers[torch.float32](pixels, grid_thw=grid)
         _, mp = npu
         mp.setattr(vision, "apply_rotary_pos_emb", rotary_utils.apply_rotary_pos_emb_npu)
         with patches_applied(*vision_rotary.PATCHES):
@@ -487,11 +493,6 @@ def test_npu_kv_pool_writes_each_token_to_its_slot_at_page_128(npu, dtype, shape
 
 
 # ------------------------------------------------------------------------------------------- tiny vision tower
-
-
-def tiny_vision_tower(checkpoint, dtype):
-    """Stock MossVL's vision tower with the tiny checkpoint's weights, in ``dtype``."""
-    return stock_moss_vl(checkpoint, dtype).visual
 
 
 def vision_inputs(checkpoint):

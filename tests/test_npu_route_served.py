@@ -121,7 +121,7 @@ def serve_route(checkpoint, tmp_path, reference, mode):
         prompt, output = generate(server.base_url, reference["text"], DECODE_STEPS)
         sampled = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
         decoding = threading.Thread(
-            target=generate, args=(server.base_url, "Tell me a long story about cats.", 256, sampled, False, False)
+            target=generate, args=(server.base_url, "Tell me a long story about cats.", 96, sampled, False, False)
         )
         decoding.start()
         time.sleep(0.5)
