@@ -6,7 +6,9 @@ on a CPU machine and implements, as pure-torch reference code, only the ops the 
 reach: the paged KV-cache write ``torch_npu._npu_reshape_and_cache`` used by
 ``NPUMHATokenToKVPool.set_kv_buffer``, and ``torch_npu.npu_fused_infer_attention_score`` in the
 subset the attention core calls (documented semantics as read from the torch_npu API reference;
-see :func:`_npu_fused_infer_attention_score`). Every other ``torch_npu`` attribute raises
+see :func:`_npu_fused_infer_attention_score`), plus the ops the ``forward_npu`` branches of stock
+layers on the MOSS-VL route call (norms, swiglu, the vision rotary, the vision tower's TND attention,
+the ascend sampler's top-k/top-p filter: the block after the attention op). Every other ``torch_npu`` attribute raises
 NotImplementedError naming itself, so a test that strays onto a fused NPU kernel fails loudly
 instead of computing something plausible. No ``torch.npu`` namespace is installed: sglang's
 ``is_npu()`` must keep answering False on this machine.
