@@ -1,4 +1,5 @@
-"""MOSS-VL served in bf16 with a long multi-image prompt: prompt logprobs stay within bf16's own tolerance.
+"""MOSS-VL served in bf16 at page size 128 with a long multi-image prompt: prompt logprobs stay within bf16's own
+tolerance.
 
 The prompt has three images with about 170 text rows after each (511 prompt rows, more than a leaf of 192 rows,
 so the frame-causal staircase is cut into several blocks merged by log-sum-exp). Oracle: the reference transformers
@@ -62,7 +63,8 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def served(checkpoint, reference):
-    bf16_args = ["--dtype", "bfloat16", "--skip-server-warmup"]
+    # The NPU's settings: bf16 and 128-slot pages (the prompt spans four pages, its encoder shares the first).
+    bf16_args = ["--dtype", "bfloat16", "--skip-server-warmup", "--page-size", "128"]
     with SglangServer(checkpoint, extra_args=bf16_args, name="test-bf16") as server:
         return served_prompt_logprobs(
             server.base_url, reference["text"], image_urls=[file_data_url(path) for path in IMAGES]

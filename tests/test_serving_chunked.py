@@ -31,14 +31,15 @@ from openai import APIConnectionError, OpenAI
 
 from serving.launch import REPO_ROOT, SglangServer
 from support.serving import (
-    ASSETS,
     CASES,
     GREEDY,
     MAX_TOKENS,
+    chat_logprobs,
     load_reference,
+    long_case,
     reference_ids,
     served_ids,
-    served_prompt_logprobs,
+    short_case,
     to_openai,
 )
 
@@ -56,28 +57,6 @@ ONE_ROW_CONFIGS = {
 MID_QUESTION_MIXED = ["--chunked-prefill-size", "16", "--enable-mixed-chunk"]
 PREFILL_LINE = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+),.*?#running-req: (\d+)")
 FIGURES = REPO_ROOT / "build" / "serving_chunked_figures.json"
-
-
-def long_question(i: int) -> str:
-    words = " ".join(f"detail {k} of scene {i}" for k in range(40 + 5 * i))
-    return f"Question {i}: look closely at every frame and list each {words}. What changes?"
-
-
-def long_case(i: int) -> list[dict]:
-    media = (
-        {"type": "video", "video": str(ASSETS / "moving_square_3s.mp4")}
-        if i % 2 == 0
-        else {"type": "image", "image": str(ASSETS / "gradient_96x64.png")}
-    )
-    return [{"role": "user", "content": [media, {"type": "text", "text": long_question(i)}]}]
-
-
-def short_case(i: int) -> list[dict]:
-    if i % 2 == 0:
-        return [{"role": "user", "content": f"Say hi number {i}."}]
-    return [{"role": "user", "content": [
-        {"type": "image", "image": str(ASSETS / "square_64.png")}, {"type": "text", "text": f"Short look {i}?"},
-    ]}]  # fmt: skip
 
 
 LOAD = {f"long{i}": long_case(i) for i in range(8)} | {f"short{i}": short_case(i) for i in range(8)}
@@ -100,21 +79,8 @@ def prefill_batches(server) -> list[tuple[int, int, int]]:
     return [tuple(map(int, m.groups())) for m in PREFILL_LINE.finditer(server.log_path.read_text(errors="replace"))]
 
 
-def prompt_logprobs(server, processor, messages) -> dict:
-    """Ids and logprobs of the prompt's text tokens: native ``/generate`` on the chat template's text with its
-    media placeholders and the media as data URLs (the path sglang accepts for a video as well as for images)."""
-    media = [part for m in to_openai(messages) if isinstance(m["content"], list) for part in m["content"]]
-    entries = served_prompt_logprobs(
-        server.base_url,
-        processor.apply_chat_template(messages, add_generation_prompt=True),
-        image_urls=[p["image_url"]["url"] for p in media if p["type"] == "image_url"],
-        video_urls=[p["video_url"]["url"] for p in media if p["type"] == "video_url"],
-    )
-    return {"ids": [entry[1] for entry in entries], "logprobs": [entry[0] for entry in entries if entry[0] is not None]}
-
-
 def all_prompt_logprobs(server, processor) -> dict:
-    return {name: prompt_logprobs(server, processor, CASES[name]) for name in PARITY_ORDER}
+    return {name: chat_logprobs(server.base_url, processor, CASES[name]) for name in PARITY_ORDER}
 
 
 def kv_load(server) -> dict:
