@@ -32,6 +32,8 @@ PATCH_MODULES: tuple[str, ...] = (
     "compact_visibility",
     "native_attention",
     "ascend_backend",
+    "vision_rotary",
+    "ascend_sampler",
     "cpu_attention",
     "cpu_parallel",
     "rank_report",
