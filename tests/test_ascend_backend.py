@@ -61,7 +61,9 @@ def npu_modules():
 
     import sglang.srt.hardware_backend.npu.memory_pool_npu as memory_pool_npu
 
-    with installed_fake_torch_npu() as fake, pytest.MonkeyPatch.context() as mp:
+    # fp32 pools (which a 910B refuses) keep the routing checks exact against the fp32 reference; the NPU ops
+    # themselves are tested in fp16/bf16 (tests/test_fake_torch_npu.py, tests/test_npu_attention_core.py).
+    with installed_fake_torch_npu(float32_kv_cache=True) as fake, pytest.MonkeyPatch.context() as mp:
         # memory_pool_npu binds torch_npu only when is_npu(); give it the stand-in.
         mp.setattr(memory_pool_npu, "torch_npu", fake, raising=False)
         module = importlib.import_module(ascend_hooks.ASCEND_BACKEND_MODULE)

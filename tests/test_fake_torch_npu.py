@@ -38,7 +38,7 @@ def dense_fp64(q, k, v, attended, scale):
 
 @pytest.fixture()
 def torch_npu():
-    with installed_fake_torch_npu(float32_kv_cache=False) as module:
+    with installed_fake_torch_npu() as module:
         yield module
 
 

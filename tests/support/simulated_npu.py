@@ -207,7 +207,7 @@ def npu_attention_on_cpu(monkeypatch, *, paged=False, host_reads: HostReads | No
     with ``paged`` the opt-in paged decode (``MOSSVL_NPU_PAGED_ATTENTION=1``) is on. Yields the FIA calls, each its
     keyword arguments plus ``query_shape``; the stand-in runs outside ``host_reads``' count."""
     calls = []
-    with installed_fake_torch_npu(float32_kv_cache=False) as torch_npu:
+    with installed_fake_torch_npu() as torch_npu:
         stand_in = torch_npu.npu_fused_infer_attention_score
 
         def recorded(query, key, value, **kwargs):
