@@ -89,6 +89,46 @@ def attention_function(implementation: Optional[str]) -> Callable:
     return ALL_ATTENTION_FUNCTIONS.get_interface(implementation or "sdpa", eager_attention_forward)
 
 
+# A masked call of at most this many query rows runs with its GQA query heads folded into rows (`grouped_attention`);
+# the mask it repeats per folded head grows with the rows (the plugin's CPU kernel measured even at 32 masked rows).
+FOLD_MAX_ROWS = 16
+
+
+class _FoldedHeads:
+    """What an attention function reads from its module for a folded call: one query head per KV head."""
+
+    num_key_value_groups = 1
+    is_causal = False
+
+
+def grouped_attention(
+    module: nn.Module,
+    implementation: Optional[str],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """`attention_function(implementation)` -> output (B, Lq, Hq, D); arguments as `eager_attention_forward`.
+
+    Given a mask, eager and sdpa copy K/V once per query head (GQA expansion), so a few-row masked call (a realtime
+    frame step's dozen rows) would cost as much as its keys, self or cross, however few rows it has. Such a call
+    folds the query heads of each KV head into rows instead ((B, Hq, L, D) -> (B, Hk, groups * L, D); row g * L + r
+    of KV head h is row r of query head h * groups + g) and repeats the (B, 1, L, keys) mask per folded head: the
+    same math per row (bitwise on CPU), K/V read in place."""
+    groups = module.num_key_value_groups
+    function = attention_function(implementation)
+    rows = query.shape[2]
+    if groups == 1 or mask is None or rows > FOLD_MAX_ROWS or not takes_dense_mask(implementation):
+        return function(module, query, key, value, mask, scaling=module.scaling)[0]
+    batch, _, _, dim = query.shape
+    kv_heads = key.shape[1]
+    folded = query.reshape(batch, kv_heads, groups * rows, dim)
+    mask = mask.expand(batch, 1, rows, -1).repeat(1, 1, groups, 1)
+    out = function(_FoldedHeads(), folded, key, value, mask, scaling=module.scaling)[0]  # (B, groups * L, Hk, D)
+    return out.view(batch, groups, rows, kv_heads, dim).permute(0, 2, 3, 1, 4).reshape(batch, rows, -1, dim)
+
+
 def takes_dense_mask(implementation: Optional[str]) -> bool:
     """False for FlashAttention kernels, which take a (B, keys) padding mask and causality as a flag."""
     return (implementation or "sdpa") in DENSE_MASK_IMPLEMENTATIONS
@@ -421,8 +461,7 @@ class MossVLSelfAttention(MossVLProjections):
         k, v = self.key_value(hidden, positions)
         if cache is not None:
             k, v = cache.extend(k, v)
-        attended, _ = attention_function(self.implementation)(self, q, k, v, mask, scaling=self.scaling)
-        return self.output(attended)
+        return self.output(grouped_attention(self, self.implementation, q, k, v, mask))
 
 
 class MossVLCrossAttention(MossVLProjections):
@@ -454,8 +493,7 @@ class MossVLCrossAttention(MossVLProjections):
         bias additive (B, 1, L, E), 0 where the row sees the key's frame (frame < the row's visible count and
         the key is not padding)."""
         q = self.query(hidden, positions)
-        attended, _ = attention_function(self.implementation)(self, q, *key_value, bias, scaling=self.scaling)
-        return self.output(attended)
+        return self.output(grouped_attention(self, self.implementation, q, *key_value, bias))
 
 
 class MossVLSelfAttentionDecoderLayer(nn.Module):
