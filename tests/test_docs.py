@@ -24,6 +24,7 @@ import glob
 import importlib.util
 import re
 import subprocess
+import sysconfig
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -174,7 +175,9 @@ def _option_strings(source: str) -> set[str]:
 
 
 def _sources_under(package: str) -> str:
-    location = Path(importlib.util.find_spec(package).submodule_search_locations[0])
+    # Read from site-packages, not through importlib.util.find_spec: finding "pip" makes setuptools' distutils shim
+    # switch this process to the stdlib distutils, and torch's inductor (which imports setuptools) then fails.
+    location = Path(sysconfig.get_paths()["purelib"]) / package
     return "\n".join(p.read_text(errors="replace") for p in location.rglob("*.py"))
 
 
