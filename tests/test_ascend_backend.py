@@ -28,8 +28,8 @@ from sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend impor
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from fake_torch_npu import installed_fake_torch_npu
-from mossvl_ascend import ascend_backend as ascend_hooks
-from mossvl_ascend import native_attention
+from mossvl_ascend.patches import ascend_backend as ascend_hooks
+from mossvl_ascend.patches import native_attention
 from support.attention import (
     ROUTE_HEADS,
     SCALE,

@@ -21,7 +21,7 @@ from array import array
 import pytest
 import torch
 
-from mossvl_ascend import chunked_prefill
+from mossvl_ascend.patches import chunked_prefill
 from support.hooks import patches_applied
 
 ENCODER_LEN = 20

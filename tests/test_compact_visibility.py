@@ -9,9 +9,9 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models.moss_vl import MossVLForConditionalGeneration
 
-from mossvl_ascend import compact_visibility, native_attention
 from mossvl_ascend.attention.core import AttentionLayer, attention
 from mossvl_ascend.attention.metadata import attached
+from mossvl_ascend.patches import compact_visibility, native_attention
 from support.attention import (
     SCALE,
     Request,

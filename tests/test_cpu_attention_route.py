@@ -18,7 +18,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from mossvl_ascend import cpu_attention, native_attention
+from mossvl_ascend.patches import cpu_attention, native_attention
 from support.attention import (
     ROUTE_HEADS,
     SCALE,

@@ -16,7 +16,7 @@ from support.hooks import patches_applied
 def hooked():
     from sglang.srt.models.moss_vl import MossVLForConditionalGeneration
 
-    from mossvl_ascend import encoder_cache_key
+    from mossvl_ascend.patches import encoder_cache_key
 
     with patches_applied(*encoder_cache_key.PATCHES):
         model = object.__new__(MossVLForConditionalGeneration)  # pad helpers read only these two attributes

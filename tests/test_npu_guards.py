@@ -1,6 +1,6 @@
 """Regression pins for the source PR's small NPU guards that sglang 0.5.23 already handles.
 
-See ``mossvl_ascend/npu_guards.py`` for the catalog. Stand-ins are labelled where used; the
+See ``mossvl_ascend/patches/npu_guards.py`` for the catalog. Stand-ins are labelled where used; the
 simulated-NPU import harness is ``tests/support/simulated_npu.py``.
 """
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from mossvl_ascend import npu_imports
+from mossvl_ascend.patches import npu_imports
 from support.simulated_npu import run_python, run_simulated_npu
 
 STARTUP_IMPORTS = [

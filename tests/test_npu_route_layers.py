@@ -298,7 +298,7 @@ def test_moss_vl_vision_tower_hands_fp32_cos_to_the_npu_rotary(npu, checkpoint, 
     """BUG (stock 0.5.23, NPU only): MossVLVisionModel builds its rotary cos/sin in fp32 and VisionAttention hands
     them, with bf16 q/k, to ``torch_npu.npu_rotary_mul``, whose kernel takes cos/sin of x's dtype only
     (aclnnRotaryPositionEmbedding); Qwen2.5-VL casts them to the activations' dtype first. The stand-in refuses the
-    call as the kernel documents; the patch ``mossvl_ascend.vision_rotary`` casts them (next test)."""
+    call as the kernel documents; the patch ``mossvl_ascend.patches.vision_rotary`` casts them (next test)."""
     model = vision_towers[torch.bfloat16]
     pixels, grid = vision_inputs(checkpoint)
     from sglang.srt.layers.attention import vision
@@ -314,7 +314,7 @@ def test_vision_rotary_patch_gives_the_npu_rotary_the_activation_dtype(npu, chec
     from sglang.srt.layers.attention import vision
     from sglang.srt.layers.rotary_embedding import utils as rotary_utils
 
-    from mossvl_ascend import vision_rotary
+    from mossvl_ascend.patches import vision_rotary
     from support.hooks import patches_applied
 
     model = vision_towers[torch.bfloat16]
@@ -424,7 +424,7 @@ def test_ascend_sampler_greedy_and_temperature(npu):
 def test_ascend_sampler_min_p_on_the_npu_filter_crashes_in_stock(npu):
     """BUG (stock 0.5.23, NPU only): with min_p > 0 and top_k in [1, 1024] the ascend sampler multiplies the
     ``(values, indices)`` pair that ``Tensor.max(dim=-1)`` returns by ``min_ps``; every such request fails with a
-    TypeError. The patch ``mossvl_ascend.ascend_sampler`` applies the threshold to the row maxima."""
+    TypeError. The patch ``mossvl_ascend.patches.ascend_sampler`` applies the threshold to the row maxima."""
     from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_logits_ascend
 
     logits = randn(2, 40, dtype=torch.bfloat16, scale=2.0)
@@ -438,7 +438,7 @@ def test_ascend_sampler_min_p_on_the_npu_filter_crashes_in_stock(npu):
 def test_ascend_sampler_patch_keeps_min_p_within_the_top_k_top_p_set(npu):
     from sglang.srt.layers import sampler
 
-    from mossvl_ascend import ascend_sampler
+    from mossvl_ascend.patches import ascend_sampler
     from support.hooks import patches_applied
 
     logits = randn(2, 40, dtype=torch.bfloat16, scale=2.0)

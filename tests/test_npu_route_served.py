@@ -10,9 +10,10 @@ which STAND-IN torch_npu ops were called:
 * the NPU route: every stock layer dispatching as on an Ascend host (``forward_npu``), ``apply_rotary_pos_emb_npu``
   and ``VisionAscendAttention`` in the vision tower (``--mm-attention-backend ascend_attn``), the plugin's NPU
   attention primitive, stock's ``NPUMHATokenToKVPool`` and the ascend sampling backend, all on the stand-ins,
-  with the two NPU-only stock-layer patches this route needs (``mossvl_ascend.vision_rotary``,
-  ``mossvl_ascend.ascend_sampler``). A second phase on each server runs a sampled text request (temperature, top-k,
-  top-p) while the media prompt prefills, so decode rows and a prefill share forwards (``--enable-mixed-chunk``).
+  with the two NPU-only stock-layer patches this route needs (``mossvl_ascend.patches.vision_rotary``,
+  ``mossvl_ascend.patches.ascend_sampler``). A second phase on each server runs a sampled text request
+  (temperature, top-k, top-p) while the media prompt prefills, so decode rows and a prefill share forwards
+  (``--enable-mixed-chunk``).
 
 Oracles: the NPU route's greedy tokens equal the CPU route's (same single-request batch, same dtype); its prompt
 logprobs stay within the bf16 reference model's own spread around the fp32 reference model (the budget of

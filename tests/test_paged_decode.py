@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mossvl_ascend import paged_decode
+from mossvl_ascend.patches import paged_decode
 from support.hooks import patches_applied
 
 PAGE = 128

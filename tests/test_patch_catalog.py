@@ -31,7 +31,7 @@ def test_committed_catalog_is_rendered_from_the_records():
 
 def test_every_listed_module_declares_its_patches_and_no_module_registers_hooks_itself():
     plugin_dir = Path(mossvl_ascend.__file__).parent
-    listed = {f"mossvl_ascend.{name}" for name in mossvl_ascend.PATCH_MODULES}
+    listed = {f"mossvl_ascend.patches.{name}" for name in mossvl_ascend.PATCH_MODULES}
     for module in patch_modules():
         assert isinstance(module.PATCHES, tuple), module.__name__
     for path in plugin_dir.rglob("*.py"):
@@ -39,7 +39,8 @@ def test_every_listed_module_declares_its_patches_and_no_module_registers_hooks_
         if path.name != "registry.py":
             assert "HookRegistry.register(" not in source, f"{path} registers a hook outside the records"
         if "PATCHES = " in source:
-            assert f"mossvl_ascend.{path.stem}" in listed, f"{path} declares patches but is not in PATCH_MODULES"
+            module = ".".join(("mossvl_ascend", *path.relative_to(plugin_dir).with_suffix("").parts))
+            assert module in listed, f"{path} declares patches but is not a listed module of mossvl_ascend.patches"
 
 
 @pytest.mark.parametrize("patch", all_patches(), ids=lambda p: p.title)

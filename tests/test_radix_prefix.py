@@ -14,7 +14,7 @@ from array import array
 
 import pytest
 
-from mossvl_ascend import radix_prefix
+from mossvl_ascend.patches import radix_prefix
 from support.hooks import patches_applied
 
 ENCODER_LEN = 200

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from moss_vl_reference.modeling_moss_vl import compute_xrope_positions
-from mossvl_ascend import text_only_requests
+from mossvl_ascend.patches import text_only_requests
 from serving.launch import free_port
 
 ASSETS = Path(__file__).parent / "assets"

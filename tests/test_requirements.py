@@ -3,6 +3,7 @@
 Oracle: ``importlib.metadata.requires("sglang")`` of the installed, pinned wheel.
 """
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -115,22 +116,12 @@ def test_the_plugin_wheel_ships_every_module(tmp_path):
     """`pip install ./sglang` (the NPU closure) installs a wheel, not the CPU venv's editable tree: every module of
     the package, subpackages included, must be in it (an explicit package list once left attention/ out)."""
     plugin = REPO_ROOT / "sglang"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(plugin),
-        ],
-        check=True,
-    )
-    (wheel,) = tmp_path.glob("*.whl")
+    # Built from a copy: setuptools leaves build/ and *.egg-info next to the sources it builds.
+    source_copy, wheels = tmp_path / "plugin", tmp_path / "wheels"
+    shutil.copytree(plugin, source_copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)]
+    subprocess.run([*pip_wheel, str(source_copy)], check=True)
+    (wheel,) = wheels.glob("*.whl")
     shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
     source = {path.relative_to(plugin).as_posix() for path in (plugin / "mossvl_ascend").rglob("*.py")}
     assert source <= shipped, sorted(source - shipped)

@@ -15,7 +15,7 @@ import logging
 
 import pytest
 
-from mossvl_ascend import server_args as mossvl_server_args
+from mossvl_ascend.patches import server_args as mossvl_server_args
 from support.hooks import patches_applied
 
 SOURCE_PR_COMMAND = [

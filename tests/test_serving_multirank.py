@@ -6,14 +6,14 @@ parametrized fixture: one server alive at a time), started through ``serving.lau
 for token with the reference transformers model (fp32, greedy), computed before any server starts.
 
 - ``tp2``: the tiny checkpoint (4 query / 2 KV heads): attention heads and KV heads split one KV head per rank, the
-  vision tower sharded as sglang shards it, gloo collectives (``mossvl_ascend.cpu_parallel``).
+  vision tower sharded as sglang shards it, gloo collectives (``mossvl_ascend.patches.cpu_parallel``).
 - ``tp2_page128``: the same at the NPU's page size, where a request's encoder and text share 128-slot pages.
 - ``tp2_mqa``: the ``tiny-mqa`` preset (4 query / 1 KV head): fewer KV heads than ranks. sglang's CPU engine pads the
   model to 2 KV / 8 query heads with zero heads (``configs.update_config.adjust_config_with_unaligned_cpu_tp``), so
   each rank holds one real or one padded KV head; the answers must not notice.
 - ``dp2``: two replicas, each with its own radix cache and encoder-prefix keys; requests spread over both.
 
-The per-rank plugin line (``mossvl_ascend.rank_report``) proves the hooks ran in every rank's process.
+The per-rank plugin line (``mossvl_ascend.patches.rank_report``) proves the hooks ran in every rank's process.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import pytest
 from openai import OpenAI
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
-from mossvl_ascend import cpu_parallel, rank_report
-from mossvl_ascend.cpu_parallel import without_pynccl
+from mossvl_ascend.patches import cpu_parallel, rank_report
+from mossvl_ascend.patches.cpu_parallel import without_pynccl
 from serving.launch import SglangServer, cpu_threads_bind, rank_count
 from support.serving import CASES, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from mossvl_ascend import text_row_gate
 from mossvl_ascend.attention.metadata import visible_frames_of_rows
+from mossvl_ascend.patches import text_row_gate
 from support.hooks import patches_applied
 
 PROMPT_COUNTS = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2])

@@ -4,9 +4,12 @@ sglang discovers this package through the ``sglang.srt.plugins`` entry point and
 launcher, the scheduler and every worker process (``sglang.srt.plugins.load_plugins``); ``SGLANG_PLUGINS`` can
 exclude it by name (``mossvl_ascend``).
 
-Each module below declares its changes to sglang as data (``PATCHES``, and ``VERIFIED`` for fixes 0.5.23 no
-longer needs; see :mod:`mossvl_ascend.registry`). :func:`register` applies the patches for this host's platform
-(Ascend NPU or CPU; on CUDA and other GPUs nothing, so sglang runs exactly as stock) and logs one line per patch.
+The package is the machinery (:mod:`~mossvl_ascend.registry`, :mod:`~mossvl_ascend.catalog`), the attention core
+(:mod:`mossvl_ascend.attention`, pure torch below the sglang adapters) and :mod:`mossvl_ascend.patches`, one module
+per patched sglang area. Each patch module declares its changes to sglang as data (``PATCHES``, and ``VERIFIED``
+for fixes 0.5.23 no longer needs; see :mod:`mossvl_ascend.registry`). :func:`register` applies the patches for this
+host's platform (Ascend NPU or CPU; on CUDA and other GPUs nothing, so sglang runs exactly as stock) and logs one
+line per patch.
 The human catalog, ``sglang/PATCHES.md``, is generated from the same records (:mod:`mossvl_ascend.catalog`).
 """
 
@@ -16,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "mossvl_ascend"
 
-# One module per patched sglang area, in the order their patches are applied.
+# The modules of mossvl_ascend.patches, one per patched sglang area, in the order their patches are applied.
 PATCH_MODULES: tuple[str, ...] = (
     "npu_imports",
     "npu_guards",

@@ -68,10 +68,10 @@ def current_platform() -> str:
 
 
 def patch_modules() -> list:
-    """The patch modules, imported, in :data:`mossvl_ascend.PATCH_MODULES` order."""
+    """The patch modules (``mossvl_ascend.patches.*``), imported, in :data:`mossvl_ascend.PATCH_MODULES` order."""
     from mossvl_ascend import PATCH_MODULES
 
-    return [importlib.import_module(f"mossvl_ascend.{name}") for name in PATCH_MODULES]
+    return [importlib.import_module(f"mossvl_ascend.patches.{name}") for name in PATCH_MODULES]
 
 
 def all_patches() -> list[Patch]:

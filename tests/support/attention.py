@@ -19,7 +19,7 @@ from sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend impor
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from mossvl_ascend import native_attention
+from mossvl_ascend.patches import native_attention
 from support.hooks import patches_applied
 
 HEAD_DIM = 8

@@ -58,7 +58,7 @@ def register() -> None:
         "sglang.srt.managers.schedule_batch.ScheduleBatch.mix_with_running", _count_mixed_batch, HookType.AFTER
     )
     if os.environ.get(MODE_ENV) == "npu":
-        from mossvl_ascend import ascend_sampler, vision_rotary
+        from mossvl_ascend.patches import ascend_sampler, vision_rotary
         from mossvl_ascend.registry import apply_patch
 
         HookRegistry.register(

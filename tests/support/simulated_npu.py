@@ -86,7 +86,7 @@ SIMULATED_NPU_PRELUDE = textwrap.dedent(
     logging.getLogger("mossvl_ascend").addHandler(Collect())
 
     if config["register_plugin"]:
-        from mossvl_ascend import npu_imports
+        from mossvl_ascend.patches import npu_imports
         from mossvl_ascend.registry import apply_patches
         apply_patches(patches=npu_imports.PATCHES)
 
@@ -105,7 +105,7 @@ REPORT = textwrap.dedent(
     """
     qwen3 = sys.modules.get("sglang.srt.models.qwen3")
     kernel = getattr(qwen3, "split_qkv_rmsnorm_rope", None)
-    from mossvl_ascend import npu_imports
+    from mossvl_ascend.patches import npu_imports
     print("REPORT" + json.dumps({
         "imported": imported,
         "patch_calls": patch_calls,

@@ -10,7 +10,7 @@ import logging
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.radix_prefix import encoder_len_of
+from mossvl_ascend.patches.radix_prefix import encoder_len_of
 from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
 
 logger = logging.getLogger(__name__)

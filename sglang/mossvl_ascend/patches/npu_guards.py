@@ -41,8 +41,8 @@ VERIFIED = (
             "caller had to pass the model config."
         ),
         status=(
-            "no caller edit needed: `mossvl_ascend.radix_prefix` hooks `match_kv_cache` and reads the encoder length "
-            "from the request; the HookRegistry rebinds the imported copy in `disaggregation/decode.py`."
+            "no caller edit needed: `mossvl_ascend.patches.radix_prefix` hooks `match_kv_cache` and reads the encoder "
+            "length from the request; the HookRegistry rebinds the imported copy in `disaggregation/decode.py`."
         ),
         pinned_by=("tests/test_radix_prefix.py::test_imported_bindings_drop_partial_encoder_match",),
     ),
@@ -52,7 +52,7 @@ VERIFIED = (
         why_it_was_patched="the adapter import chain fails on NPU when `sgl_kernel_npu` is incomplete.",
         status=(
             "still unguarded in 0.5.23, but it fails only through `models/qwen3.py`'s `sgl_kernel_npu` import, "
-            "which `mossvl_ascend.npu_imports` unblocks; no separate guard is needed."
+            "which `mossvl_ascend.patches.npu_imports` unblocks; no separate guard is needed."
         ),
         pinned_by=("tests/test_npu_imports.py::test_plugin_unblocks_startup_imports_with_one_warning",),
     ),

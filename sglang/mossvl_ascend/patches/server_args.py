@@ -93,7 +93,7 @@ def npu_declarations(server_args: Any) -> Dict[str, Any]:
         # resolution stash, as stock handle_model_specific_adjustments does for its own rules.
         declare_resolution(
             server_args,
-            "mossvl_ascend.server_args",
+            "mossvl_ascend.patches.server_args",
             cuda_graph_config=with_phase(cfg.cuda_graph_config, Phase.DECODE, backend=Backend.DISABLED),
         )
     return declared
@@ -116,7 +116,7 @@ def cpu_declarations(server_args: Any) -> Dict[str, Any]:
 
 
 def keep_chunked_prefill(server_args: Any) -> None:
-    """Let MOSS-VL keep chunked prefill (encoder spans are never split: :mod:`mossvl_ascend.chunked_prefill`)."""
+    """Let MOSS-VL keep chunked prefill (an encoder span is never split: see ``patches.chunked_prefill``)."""
     from sglang.srt.arg_groups.model_override_base import model_config_of
 
     model_config_of(server_args).is_multimodal_chunked_prefill_supported = True
