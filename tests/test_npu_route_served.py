@@ -41,7 +41,7 @@ import torch
 from moss_vl_reference.queries_moss_vl import file_data_url
 from serving.launch import SglangServer
 from support.npu_route_probe import MODE_ENV, PROBE_ENV, install_probe
-from support.serving import ASSETS, load_reference
+from support.serving import ASSETS, reference_in_fp32_and_bf16
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -89,26 +89,10 @@ def generate(base_url, text, max_new_tokens, sampling=None, media=True, logprobs
     return (meta["input_token_logprobs"], meta["output_token_logprobs"]) if logprobs else None
 
 
-def prompt_logprobs(model, inputs) -> torch.Tensor:
-    """log p(token_t | tokens_<t) for t >= 1, fp64."""
-    with torch.no_grad():
-        logits = model(**inputs).logits[0].double()
-    ids = inputs["input_ids"][0]
-    return torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
-
-
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     """Prompt ids and fp32 / bf16 prompt logprobs of the reference model (computed before any server starts)."""
-    model, processor = load_reference(checkpoint)
-    inputs, _ = model.processor_inputs(processor, {"messages": MESSAGES})
-    fp32 = prompt_logprobs(model, inputs)
-    bf16_inputs = {
-        k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()
-    }
-    bf16 = prompt_logprobs(model.to(torch.bfloat16), bf16_inputs)
-    text = processor.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    return {"ids": inputs["input_ids"][0].tolist(), "fp32": fp32, "bf16": bf16, "text": text}
+    return reference_in_fp32_and_bf16(checkpoint, MESSAGES)
 
 
 def serve_route(checkpoint, tmp_path, reference, mode):

@@ -16,7 +16,7 @@ import torch
 
 from moss_vl_reference.queries_moss_vl import file_data_url
 from serving.launch import SglangServer
-from support.serving import ASSETS, load_reference, served_prompt_logprobs
+from support.serving import ASSETS, reference_in_fp32_and_bf16, served_prompt_logprobs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -37,28 +37,12 @@ MESSAGES = [
 IMAGES = [part["image"] for part in MESSAGES[0]["content"] if part["type"] == "image"]
 
 
-def prompt_logprobs(model, inputs) -> torch.Tensor:
-    """log p(token_t | tokens_<t) for t >= 1, fp64 ``[prompt_len - 1]``."""
-    with torch.no_grad():
-        logits = model(**inputs).logits[0].double()
-    ids = inputs["input_ids"][0]
-    return torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
-
-
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    model, processor = load_reference(checkpoint)
-    inputs, _ = model.processor_inputs(processor, {"messages": MESSAGES})
-    fp32 = prompt_logprobs(model, inputs)
-    bf16_inputs = {
-        key: value.to(torch.bfloat16) if torch.is_tensor(value) and value.is_floating_point() else value
-        for key, value in inputs.items()
-    }
-    bf16 = prompt_logprobs(model.to(torch.bfloat16), bf16_inputs)
-    visible_frames = (~inputs["cross_attention_mask"][0, 0]).sum(-1)
-    assert inputs["input_ids"].shape[1] > 192 and visible_frames.unique().numel() == 4  # a staircase over 3 images
-    text = processor.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    return {"ids": inputs["input_ids"][0].tolist(), "fp32": fp32, "bf16": bf16, "text": text}
+    expected = reference_in_fp32_and_bf16(checkpoint, MESSAGES)
+    visible_frames = (~expected["inputs"]["cross_attention_mask"][0, 0]).sum(-1)
+    assert len(expected["ids"]) > 192 and visible_frames.unique().numel() == 4  # a staircase over 3 images
+    return expected
 
 
 @pytest.fixture(scope="module")

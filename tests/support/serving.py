@@ -133,6 +133,29 @@ def reference_ids(model, processor, messages: list[dict], max_tokens: int = MAX_
     return inputs["input_ids"][0].tolist(), sequences[0, prompt_len:].tolist()
 
 
+def reference_prompt_logprobs(model, inputs) -> torch.Tensor:
+    """log p(token_t | tokens_<t) for t >= 1, fp64 ``[prompt_len - 1]``, of the reference model on ``inputs``."""
+    with torch.no_grad():
+        logits = model(**inputs).logits[0].double()
+    ids = inputs["input_ids"][0]
+    return torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
+
+
+def reference_in_fp32_and_bf16(checkpoint: Path, messages: list[dict]) -> dict:
+    """Prompt ids, the prompt's chat text, the processor inputs, and the reference model's prompt logprobs in fp32 and
+    in bf16 (the bf16 model's own spread is the tolerance a bf16 server is held to)."""
+    model, processor = load_reference(checkpoint)
+    inputs, _ = model.processor_inputs(processor, {"messages": messages})
+    fp32 = reference_prompt_logprobs(model, inputs)
+    bf16_inputs = {
+        key: value.to(torch.bfloat16) if torch.is_tensor(value) and value.is_floating_point() else value
+        for key, value in inputs.items()
+    }
+    bf16 = reference_prompt_logprobs(model.to(torch.bfloat16), bf16_inputs)
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return {"ids": inputs["input_ids"][0].tolist(), "fp32": fp32, "bf16": bf16, "text": text, "inputs": inputs}
+
+
 def served_ids(client, model_name: str, messages: list[dict], **overrides) -> dict:
     """One non-streamed greedy chat completion -> prompt/completion ids, text and usage."""
     response = client.chat.completions.create(
