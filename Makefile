@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 
 .PHONY: help setup lint test catalog demo serve tiny-model bench bench-serving bench-realtime clean
 
-help:
+help: ## list the targets with what each does
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
 setup: $(STAMP) ## create .venv: torch 2.14.1 (local wheels), sglang 0.5.23 --no-deps, CPU runtime deps, the plugin
