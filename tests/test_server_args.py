@@ -270,3 +270,13 @@ def test_explicit_chunk_size_and_mixed_chunks_are_kept(model_dir, npu_memory_sta
 
 def test_cuda_still_turns_chunked_prefill_off(model_dir):
     assert resolve(model_dir, "--device", "cuda", "--chunked-prefill-size", "256").chunked_prefill_size == -1
+
+
+@pytest.mark.parametrize("device", ["cpu", "npu"])
+def test_a_mixed_chunk_under_two_pages_gets_one_warning(model_dir, npu_memory_stand_in, plugin_log, device):
+    paged = ["--device", device, "--page-size", "128", "--enable-mixed-chunk", "--chunked-prefill-size"]
+    resolve(model_dir, *paged, "256")
+    assert not [r for r in plugin_log if "admits no new request" in r.getMessage()]
+    resolve(model_dir, *paged, "128")
+    (line,) = [r.getMessage() for r in plugin_log if "admits no new request" in r.getMessage()]
+    assert "--chunked-prefill-size 128" in line and "use 256 or more" in line

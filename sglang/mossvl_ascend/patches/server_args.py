@@ -122,6 +122,20 @@ def keep_chunked_prefill(server_args: Any) -> None:
     model_config_of(server_args).is_multimodal_chunked_prefill_supported = True
 
 
+def warn_on_a_mixed_chunk_under_two_pages(view: Any) -> None:
+    """With ``--enable-mixed-chunk`` stock takes one token per running request off the chunk budget and charges a
+    new request whole pages, so a budget under two pages admits no request while any other decodes."""
+    chunk, page = view.chunked_prefill_size, view.page_size or 1
+    if view.enable_mixed_chunk and page > 1 and chunk is not None and 0 < chunk < 2 * page:
+        logger.warning(
+            "MOSS-VL: --chunked-prefill-size %d with --enable-mixed-chunk at page size %d admits no new request "
+            "while others decode (requests run one at a time); use %d or more.",
+            chunk,
+            page,
+            2 * page,
+        )
+
+
 _DECLARATIONS_BY_DEVICE = {"npu": npu_declarations, "cpu": cpu_declarations}
 
 
@@ -130,9 +144,11 @@ def moss_vl_provider_around(original: Callable, fn: Callable, server_args: Any, 
     if _is_stock_moss_vl_provider(fn):
         from sglang.srt.arg_groups.model_override_base import resolving_view
 
-        declare = _DECLARATIONS_BY_DEVICE.get(resolving_view(server_args).device)
+        view = resolving_view(server_args)
+        declare = _DECLARATIONS_BY_DEVICE.get(view.device)
         if declare is not None:
             keep_chunked_prefill(server_args)
+            warn_on_a_mixed_chunk_under_two_pages(view)
             return declare(server_args)
     return original(fn, server_args, hf_config)
 
@@ -168,7 +184,8 @@ PATCHES = (
             "off, chunked prefill stays on: stock `handle_model_capability_adjustments` forces `chunked_prefill_size = "
             "-1` for MOSS-VL because a cut could split the encoder span, which `chunked_prefill` prevents; the "
             "resolution's memoized `ModelConfig` is marked as supporting it before that stock check runs, so "
-            "`--chunked-prefill-size N` is kept (else the device default) and `--enable-mixed-chunk` works. Any other "
+            "`--chunked-prefill-size N` is kept (else the device default) and `--enable-mixed-chunk` works (one "
+            "warning when its chunk is under two pages, which stock's admission starves). Any other "
             "`--device` runs the stock provider, assertion included."
         ),
         upstream="open in 0.5.23",
