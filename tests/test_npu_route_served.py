@@ -36,12 +36,11 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
 
 from moss_vl_reference.queries_moss_vl import file_data_url
 from serving.launch import SglangServer
 from support.npu_route_probe import MODE_ENV, PROBE_ENV, install_probe
-from support.serving import ASSETS, reference_in_fp32_and_bf16
+from support.serving import ASSETS, assert_within_the_bf16_spread, reference_in_fp32_and_bf16
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -131,16 +130,7 @@ def test_npu_route_greedy_tokens_equal_the_cpu_route(served, reference):
 
 
 def test_npu_route_prompt_logprobs_within_the_bf16_reference_spread(served, reference):
-    logprobs = torch.tensor([entry[0] for entry in served["npu"]["prompt"][1:]], dtype=torch.float64)
-    served_error = (logprobs - reference["fp32"]).abs()
-    dtype_error = (reference["bf16"] - reference["fp32"]).abs()
-    print(
-        f"NPU route bf16 prompt logprob error vs fp32: mean {served_error.mean():.4f} max {served_error.max():.4f}; "
-        f"reference model in bf16: mean {dtype_error.mean():.4f} max {dtype_error.max():.4f}"
-    )
-    assert torch.isfinite(logprobs).all()
-    assert served_error.mean() <= 1.5 * dtype_error.mean() + 0.01
-    assert served_error.max() <= 1.5 * dtype_error.max() + 0.05
+    assert_within_the_bf16_spread(served["npu"]["prompt"], reference, "NPU route")
 
 
 def test_npu_route_took_the_npu_implementations(served):

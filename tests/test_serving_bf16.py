@@ -12,11 +12,10 @@ block, or a mask read with the wrong polarity, moves many tokens by far more (an
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moss_vl_reference.queries_moss_vl import file_data_url
 from serving.launch import SglangServer
-from support.serving import ASSETS, reference_in_fp32_and_bf16, served_prompt_logprobs
+from support.serving import ASSETS, assert_within_the_bf16_spread, reference_in_fp32_and_bf16, served_prompt_logprobs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -58,13 +57,4 @@ def served(checkpoint, reference):
 def test_bf16_prompt_logprobs_within_the_dtype_tolerance(reference, served):
     served_ids = [entry[1] for entry in served]
     assert served_ids == reference["ids"]
-    served_logprobs = torch.tensor([entry[0] for entry in served[1:]], dtype=torch.float64)
-    served_error = (served_logprobs - reference["fp32"]).abs()
-    dtype_error = (reference["bf16"] - reference["fp32"]).abs()
-    print(
-        f"bf16 prompt logprob error vs fp32: served mean {served_error.mean():.4f} max {served_error.max():.4f}; "
-        f"reference model in bf16 mean {dtype_error.mean():.4f} max {dtype_error.max():.4f}"
-    )
-    assert torch.isfinite(served_logprobs).all()
-    assert served_error.mean() <= 1.5 * dtype_error.mean() + 0.01
-    assert served_error.max() <= 1.5 * dtype_error.max() + 0.05
+    assert_within_the_bf16_spread(served, reference, "served")

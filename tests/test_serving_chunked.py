@@ -5,7 +5,7 @@ Stock ``python -m sglang.launch_server`` + the plugin on CPU, tiny checkpoint (e
 pool on the 2 cores and 24 GiB the suite has):
 
 * ``--chunked-prefill-size -1`` (unchunked): the baseline for prompt logprobs and short-request TTFT;
-* ``--chunked-prefill-size 1``, with the radix cache on and with ``--disable-radix-cache`` (the NPU default): the
+* ``--chunked-prefill-size 1``, with the radix cache on and with ``--disable-radix-cache``: the
   first chunk of a vision request is its encoder plus one text row (the cut right after the encoder: a chunk never
   ends inside or right at the end of an encoder), then one-row chunks. On both, a long request is aborted between
   two of its chunks: the KV pool must return to idle (encoder slots included) and the next request stay exact;
@@ -20,14 +20,13 @@ disabled chunking fails.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from openai import APIConnectionError, OpenAI
+from openai import APIConnectionError
 
 from serving.launch import REPO_ROOT, SglangServer
 from support.serving import (
@@ -37,7 +36,10 @@ from support.serving import (
     chat_logprobs,
     load_reference,
     long_case,
+    openai_client,
+    prefill_batches,
     reference_ids,
+    retractions,
     served_ids,
     short_case,
     to_openai,
@@ -55,7 +57,6 @@ ONE_ROW_CONFIGS = {
     "no_radix": ["--chunked-prefill-size", "1", "--disable-radix-cache"],
 }
 MID_QUESTION_MIXED = ["--chunked-prefill-size", "16", "--enable-mixed-chunk"]
-PREFILL_LINE = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+),.*?#running-req: (\d+)")
 FIGURES = REPO_ROOT / "build" / "serving_chunked_figures.json"
 
 
@@ -67,16 +68,6 @@ def reference(checkpoint):
     model, processor = load_reference(checkpoint)
     cases = {name: CASES[name] for name in PARITY_ORDER} | LOAD
     return {name: reference_ids(model, processor, messages) for name, messages in cases.items()}
-
-
-def openai_client(server) -> tuple[OpenAI, str]:
-    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=600)
-    return client, client.models.list().data[0].id
-
-
-def prefill_batches(server) -> list[tuple[int, int, int]]:
-    """(#new-seq, #new-token, #running-req) of every prefill batch the server logged."""
-    return [tuple(map(int, m.groups())) for m in PREFILL_LINE.finditer(server.log_path.read_text(errors="replace"))]
 
 
 def all_prompt_logprobs(server, processor) -> dict:
@@ -215,7 +206,7 @@ def mixed(checkpoint, reference, unchunked, one_row):
 RETRACT_CONFIGS = {
     # Chunked, radix cache on: a resumed request finds its encoder (and prompt) in the cache.
     "chunk16_radix": ["--chunked-prefill-size", "16"],
-    # Chunked, radix cache off (the NPU default): a resumed request re-runs its encoder, in chunks again; the
+    # Chunked, radix cache off: a resumed request re-runs its encoder, in chunks again; the
     # requests arrive together, so a vision request may find the chunk budget taken and wait for the next round.
     "chunk16_no_radix": ["--chunked-prefill-size", "16", "--disable-radix-cache"],
 }
@@ -238,9 +229,8 @@ def retracting(checkpoint, reference, unchunked, one_row, mixed):
                 with ThreadPoolExecutor(max_workers=len(PARITY_ORDER)) as pool:
                     futures = {case: pool.submit(served_ids, client, model_name, CASES[case]) for case in PARITY_ORDER}
                     served = {case: future.result() for case, future in futures.items()}
-                log = server.log_path.read_text(errors="replace")
                 batches = prefill_batches(server)
-            retracted = [int(n) for n in re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", log)]
+                retracted = retractions(server)
             results[name] = {"served": served, "retracted": retracted, "batches": batches}
     return results
 

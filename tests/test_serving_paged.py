@@ -18,11 +18,9 @@ server's logprobs (1e-5). The radix-cache figures (hits, repeated answers equal)
 from __future__ import annotations
 
 import json
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from openai import OpenAI
 
 from serving.launch import REPO_ROOT, SglangServer
 from support.serving import (
@@ -31,7 +29,10 @@ from support.serving import (
     chat_logprobs,
     load_reference,
     long_case,
+    openai_client,
+    prefill_batches,
     reference_ids,
+    retractions,
     served_ids,
     short_case,
 )
@@ -50,8 +51,6 @@ PAGE_ONE = ["--page-size", "1", "--chunked-prefill-size", "-1", "--mem-fraction-
 # and rounds a new request up to whole pages, so a one-page budget admits nothing while any request decodes.
 PAGE_128_CHUNKED = ["--page-size", "128", "--chunked-prefill-size", "256", "--enable-mixed-chunk"]
 RADIX = {"radix": [], "no_radix": ["--disable-radix-cache"]}
-PREFILL_LINE = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+),.*?#running-req: (\d+)")
-RETRACTED = re.compile(r"Testing retraction\. #retracted_reqs: (\d+)")
 FIGURES = REPO_ROOT / "build" / "serving_paged_figures.json"
 REPEATS = 2  # rounds of all cases at once on the radix server after the first
 
@@ -62,11 +61,6 @@ def reference(checkpoint):
     return {
         name: reference_ids(model, processor, messages, max_tokens=MAX_TOKENS) for name, messages in PAGED_CASES.items()
     }
-
-
-def openai_client(server) -> tuple[OpenAI, str]:
-    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=600)
-    return client, client.models.list().data[0].id
 
 
 def all_at_once(server) -> dict:
@@ -84,10 +78,6 @@ def all_logprobs(server, processor) -> dict:
         name: chat_logprobs(server.base_url, processor, messages, max_new_tokens=MAX_TOKENS)
         for name, messages in PAGED_CASES.items()
     }
-
-
-def prefill_batches(server) -> list[tuple[int, int, int]]:
-    return [tuple(map(int, m.groups())) for m in PREFILL_LINE.finditer(server.log_path.read_text(errors="replace"))]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +113,7 @@ def retracting(checkpoint, reference, page_128):
             args = BASE_ARGS + PAGE_128_CHUNKED + flags
             with SglangServer(checkpoint, extra_args=args, name=f"paged-retract-{config}") as server:
                 served = all_at_once(server)
-                retracted = [int(n) for n in RETRACTED.findall(server.log_path.read_text(errors="replace"))]
+                retracted = retractions(server)
             results[config] = {"served": served, "retracted": retracted}
     return results
 

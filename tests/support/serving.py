@@ -8,10 +8,12 @@ completion ids must equal it token for token.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import requests
 import torch
+from openai import OpenAI
 
 from moss_vl_reference.queries_moss_vl import file_data_url
 
@@ -156,6 +158,21 @@ def reference_in_fp32_and_bf16(checkpoint: Path, messages: list[dict]) -> dict:
     return {"ids": inputs["input_ids"][0].tolist(), "fp32": fp32, "bf16": bf16, "text": text, "inputs": inputs}
 
 
+def assert_within_the_bf16_spread(prompt_entries: list, reference: dict, label: str) -> None:
+    """A bf16 server's prompt logprobs (sglang's ``input_token_logprobs``, the first one None) against the fp32
+    reference: mean error within 1.5x the bf16 reference model's own + 0.01, worst token within 1.5x + 0.05."""
+    logprobs = torch.tensor([entry[0] for entry in prompt_entries[1:]], dtype=torch.float64)
+    served_error = (logprobs - reference["fp32"]).abs()
+    dtype_error = (reference["bf16"] - reference["fp32"]).abs()
+    print(
+        f"{label} bf16 prompt logprob error vs fp32: mean {served_error.mean():.4f} max {served_error.max():.4f}; "
+        f"reference model in bf16: mean {dtype_error.mean():.4f} max {dtype_error.max():.4f}"
+    )
+    assert torch.isfinite(logprobs).all()
+    assert served_error.mean() <= 1.5 * dtype_error.mean() + 0.01
+    assert served_error.max() <= 1.5 * dtype_error.max() + 0.05
+
+
 def served_ids(client, model_name: str, messages: list[dict], **overrides) -> dict:
     """One non-streamed greedy chat completion -> prompt/completion ids, text and usage."""
     response = client.chat.completions.create(
@@ -168,6 +185,26 @@ def served_ids(client, model_name: str, messages: list[dict], **overrides) -> di
         "text": response.choices[0].message.content,
         "usage": response.usage,
     }
+
+
+PREFILL_LINE = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+),.*?#running-req: (\d+)")
+RETRACTION_LINE = re.compile(r"Testing retraction\. #retracted_reqs: (\d+)")
+
+
+def openai_client(server) -> tuple[OpenAI, str]:
+    """An OpenAI client of ``server`` (no retries) and the name of the model it serves."""
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=600)
+    return client, client.models.list().data[0].id
+
+
+def prefill_batches(server) -> list[tuple[int, int, int]]:
+    """(#new-seq, #new-token, #running-req) of every prefill batch the server logged."""
+    return [tuple(map(int, m.groups())) for m in PREFILL_LINE.finditer(server.log_path.read_text(errors="replace"))]
+
+
+def retractions(server) -> list[int]:
+    """The requests retracted at each of sglang's test retractions (``SGLANG_TEST_RETRACT=1``) the server logged."""
+    return [int(n) for n in RETRACTION_LINE.findall(server.log_path.read_text(errors="replace"))]
 
 
 def cached_tokens(usage) -> int:
