@@ -30,6 +30,8 @@ IMAGE_PLACEHOLDER = "<|image|>"
 VIDEO_PLACEHOLDER = "<|video|>"
 ROUND_START = "<|round_start|>"
 ROUND_END = "<|round_end|>"
+# MOSS-VL-Realtime's token for "nothing to say": a turn that emits it ends and the stream waits for input.
+SILENCE = "<|silence|>"
 ERROR_PREFIX = "[ERROR] "
 STOP_OFFLINE_GENERATE = {"stop_offline_generate": True}
 STOP_ONLINE_GENERATE = {"stop_online_generate": True}

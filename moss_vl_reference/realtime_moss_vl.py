@@ -40,11 +40,10 @@ import torch
 
 from .modeling_moss_vl import KVBuffer, MossVLCrossAttentionDecoderLayer, frame_block_positions
 from .processing_moss_vl import DEFAULT_REALTIME_SYSTEM_PROMPT
-from .queries_moss_vl import ERROR_PREFIX, ROUND_START, STOP_ONLINE_GENERATE, is_stop_message
+from .queries_moss_vl import ERROR_PREFIX, ROUND_START, SILENCE, STOP_ONLINE_GENERATE, is_stop_message
 
 logger = logging.getLogger(__name__)
 
-SILENCE = "<|silence|>"
 CONTROL_TOKEN = re.compile(r"^<\|[^|]+\|>$")
 
 

@@ -41,12 +41,11 @@ if REPO_ROOT not in sys.path:
 from PIL import Image  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from moss_vl_reference.queries_moss_vl import ERROR_PREFIX, ROUND_START  # noqa: E402
+from moss_vl_reference.queries_moss_vl import ERROR_PREFIX, ROUND_START, SILENCE  # noqa: E402
 
 logger = logging.getLogger("replay_proactive_videoqa")
 
 SEC_PER_FRAME_IN_NAME = re.compile(r"(0\.5|1|2)_sec_per_frame")
-SILENCE = "<|silence|>"
 CONTROL_PIECE = re.compile(r"<\|[^|]+\|>|<go>")
 
 

@@ -66,7 +66,7 @@ from fastapi import FastAPI, WebSocket  # noqa: E402
 from PIL import Image, UnidentifiedImageError  # noqa: E402
 
 import device_utils  # noqa: E402
-from moss_vl_reference.queries_moss_vl import ERROR_PREFIX, ROUND_START  # noqa: E402
+from moss_vl_reference.queries_moss_vl import ERROR_PREFIX, ROUND_START, SILENCE  # noqa: E402
 from realtime_inference import video_sources  # noqa: E402
 from realtime_inference.video_sources import FrameEvent, PromptEvent  # noqa: E402
 
@@ -77,7 +77,6 @@ ACCEPTED_IMAGE_FORMATS = ("JPEG", "PNG")
 SESSION_CLOSE_SECONDS = 30.0  # how long closing a session waits for its stream's current step
 SESSION_ENDED = object()  # next_session_output's answer once the session has stopped and is fully drained
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
-SILENCE = "<|silence|>"
 # Control pieces a reader never sees without --raw-output (the round markers' text and the demo's hidden tokens).
 HIDDEN_PIECES = re.compile(r"<\|round_end\|>|<\|response\|>|<\|assistant\|>|<go>")
 

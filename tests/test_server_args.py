@@ -187,7 +187,7 @@ def test_cpu_defaults_to_torch_native(model_dir):
     view = resolve(model_dir, "--device", "cpu")
     assert view.attention_backend == "torch_native"
     assert (view.prefill_attention_backend, view.decode_attention_backend) == (None, None)
-    assert view.disable_radix_cache is False  # the NPU-only radix policy does not apply
+    assert view.disable_radix_cache is False
 
 
 def test_cpu_keeps_user_backend_without_flashinfer_assertion(model_dir):

@@ -134,7 +134,7 @@ PATCHES = (
         hook=keep_encoder_whole_on_the_ignore_eos_path,
         platforms=ON_NPU_AND_CPU,
         why=(
-            "with the prefix cache disabled (the NPU default, `--disable-radix-cache`), `PrefillAdder.add_one_req` "
+            "with the prefix cache disabled (`--disable-radix-cache`), `PrefillAdder.add_one_req` "
             "admits every `ignore_eos` request through `add_one_req_ignore_eos`, which never calls "
             "`_select_prefill_admission` (hooked above): it cuts a first chunk at the remaining chunk budget. For a "
             "MOSS-VL request whose encoder is longer than that budget the chunk ends inside the encoder span, and "
