@@ -92,11 +92,13 @@ PRESETS = {
         "text": dict(
             hidden_size=128,
             intermediate_size=256,
-            num_hidden_layers=4,
+            # MOSS-VL-Instruct's pattern at a quarter of its depth: every fourth layer (from the third) is
+            # cross-attention, so the self-attention layers are three bands of the cross-attention count.
+            num_hidden_layers=8,
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=32,
-            cross_attention_layers=[1, 3],
+            cross_attention_layers=[2, 6],
             max_position_embeddings=32768,
             mrope_section=[6, 5, 5],
         ),

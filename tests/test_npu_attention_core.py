@@ -13,6 +13,8 @@ of the op calls: the compressed causal mode instead of a rows x keys mask, per-r
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,6 +34,7 @@ from support.attention import (
     STAIRCASE,
     Request,
     batch_metadata,
+    build_banded_batch,
     build_paged_batch,
     errors_against_fp64,
     reference_cross_extend,
@@ -238,3 +241,40 @@ def test_softcapped_layers_turn_the_lengths_into_a_mask(monkeypatch, cross):
     assert calls == []
     reference = (reference_cross_extend if cross else reference_self_extend)(batch, scale, 1.5)
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+BANDED_ROUTES = [
+    pytest.param("cpu", 1, id="cpu-page1"),
+    pytest.param("cpu", 128, id="cpu-page128"),
+    pytest.param("npu", 128, id="npu-page128"),
+    pytest.param("npu-paged", 128, id="npu-paged-page128"),
+    pytest.param("npu-paged", 16, id="npu-paged-page16"),
+]
+
+
+@pytest.mark.parametrize("route, page_size", BANDED_ROUTES)
+@pytest.mark.parametrize("bands", [3, 4])
+@pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
+def test_the_mossvl_kv_layout_reads_each_vision_token_at_its_band(monkeypatch, cross, bands, route, page_size):
+    """MOSS-VL KV layout (three or four vision tokens per encoder slot, encoders of 90-240 vision tokens that are
+    not multiples of the bands, text sharing the last encoder page): cross-attention finds vision token t at band
+    t // R of encoder slot t % R and self-attention finds the text behind the R encoder slots, on the CPU kernel,
+    through the NPU stand-in, and from the paged pool's block tables (one block run per band)."""
+    requests = ONE_ROW_EXTENDS if route == "npu-paged" else mixed_forward()
+    batch = build_banded_batch(requests, *NPU_SHAPES["tiny"], torch.bfloat16, page_size, bands, cross, seed=11)
+    if route == "cpu":
+        out = run_core_layer(batch, batch_metadata(batch), cross, page_size=page_size)
+    else:
+        with npu_attention_on_cpu(monkeypatch, paged=route == "npu-paged") as calls:
+            out = run_core_layer(batch, batch_metadata(batch), cross, page_size=page_size)
+        assert any("block_table" in call for call in calls) == (route == "npu-paged")
+    assert_within_budget(out, batch, cross)
+
+
+def test_a_band_offset_off_by_one_page_reads_other_keys(monkeypatch):
+    """The banded test above can fail: the same batch read with the bands one page further apart is wrong."""
+    batch = build_banded_batch(ONE_ROW_EXTENDS, *NPU_SHAPES["tiny"], torch.bfloat16, 16, 3, True, seed=11)
+    shifted = core.EncoderAddressing(batch.addressing.bands, batch.addressing.band_stride + 16)
+    with npu_attention_on_cpu(monkeypatch, paged=True):
+        out = run_core_layer(dataclasses.replace(batch, addressing=shifted), batch_metadata(batch), True, 16)
+    assert any(error > budget for error, budget in errors_against_fp64(out, batch, cross=True))

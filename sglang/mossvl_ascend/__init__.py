@@ -26,6 +26,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "server_args",
     "radix_prefix",
     "paged_decode",
+    "kv_pool",
     "encoder_cache_key",
     "request_validation",
     "text_only_requests",

@@ -19,6 +19,7 @@ from sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend impor
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
+from mossvl_ascend.attention.kv_layout import STOCK_ADDRESSING, EncoderAddressing
 from mossvl_ascend.patches import native_attention
 from support.hooks import patches_applied
 
@@ -124,6 +125,7 @@ class Batch:
     text_v: list[torch.Tensor]
     query: torch.Tensor  # [sum(extend_len), H, D]
     slots: list[torch.Tensor]  # per request pool slots, encoder first then text
+    addressing: EncoderAddressing = STOCK_ADDRESSING  # where the pool keeps vision tokens
 
     @property
     def encoder_lens(self):
@@ -194,6 +196,59 @@ def build_paged_batch(requests, num_heads, num_kv_heads, head_dim, dtype, page_s
         slots.append(req_slots)
     query = torch.randn(sum(r.extend_len for r in requests), num_heads, head_dim, generator=gen).to(dtype)
     return _batch_over_slots(requests, req_pool_indices, req_to_token, k_cache, v_cache, query, slots)
+
+
+def build_banded_batch(requests, num_heads, num_kv_heads, head_dim, dtype, page_size, bands, cross, seed=0) -> Batch:
+    """One layer's K/V in the MOSS-VL KV layout (``mossvl_ascend.attention.kv_layout``): each request's row is
+    ``R = ceil(E / bands)`` encoder slots then its text, on whole shuffled pages; the storage is ``bands`` bands of
+    ``stride`` slots. A cross-attention layer's cache is the whole storage, vision token ``t`` at band ``t // R`` of
+    slot ``row[t % R]``; a self-attention layer's is one band (the second, so its slots are not storage rows). The
+    references copy each request's K/V out of the storage by that rule, written here independently of the core."""
+    gen = torch.Generator().manual_seed(seed)
+    encoder_rows = [-(-r.encoder_len // bands) for r in requests]
+    pages_per_request = [-(-(rows + r.text_len) // page_size) for rows, r in zip(encoder_rows, requests)]
+    num_pages = sum(pages_per_request) + 3
+    stride = num_pages * page_size
+    storage_k = torch.randn(bands * stride, num_kv_heads, head_dim, generator=gen).to(dtype)
+    storage_v = torch.randn(bands * stride, num_kv_heads, head_dim, generator=gen).to(dtype)
+    band = min(1, bands - 1)
+    k_cache, v_cache = (
+        (storage_k, storage_v)
+        if cross
+        else (storage_k[band * stride : (band + 1) * stride], storage_v[band * stride : (band + 1) * stride])
+    )
+    free_pages = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    req_pool_indices = torch.randperm(len(requests) + 2, generator=gen)[: len(requests)]
+    width = max(64, max(pages_per_request) * page_size)
+    req_to_token = torch.zeros(len(requests) + 2, width, dtype=torch.int32)
+    slots, encoder_k, encoder_v, text_k, text_v = [], [], [], [], []
+    for req, pool_idx, pages, rows in zip(requests, req_pool_indices.tolist(), pages_per_request, encoder_rows):
+        owned = torch.tensor([free_pages.pop() for _ in range(pages)])
+        row = (owned[:, None] * page_size + torch.arange(page_size)).flatten()[: rows + req.text_len]
+        req_to_token[pool_idx, : len(row)] = row.int()
+        slots.append(row)
+        vision = [(t // rows) * stride + int(row[t % rows]) for t in range(req.encoder_len)]
+        encoder_k.append(storage_k[vision].clone())
+        encoder_v.append(storage_v[vision].clone())
+        text_k.append(k_cache[row[rows:]].clone() if not cross else storage_k[:0])
+        text_v.append(v_cache[row[rows:]].clone() if not cross else storage_v[:0])
+    query = torch.randn(sum(r.extend_len for r in requests), num_heads, head_dim, generator=gen).to(dtype)
+    return Batch(
+        requests,
+        num_heads,
+        num_kv_heads,
+        req_pool_indices,
+        req_to_token,
+        k_cache,
+        v_cache,
+        encoder_k,
+        encoder_v,
+        text_k,
+        text_v,
+        query,
+        slots,
+        EncoderAddressing(bands, stride),
+    )
 
 
 def _batch_over_slots(requests, req_pool_indices, req_to_token, k_cache, v_cache, query, slots) -> Batch:
@@ -607,6 +662,7 @@ def run_core_layer(batch, metadata, cross, page_size=1):
         metadata,
         layer,
         page_size=page_size,
+        addressing=batch.addressing,
     )
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from mossvl_ascend.attention.blocks import LEAF_ROWS, frame_causal_cross_attention
+from mossvl_ascend.attention.kv_layout import STOCK_ADDRESSING, EncoderAddressing, vision_addresses
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
 from mossvl_ascend.attention.primitives import (
     BatchLengths,
@@ -156,17 +157,31 @@ def attention(
     *,
     full_to_swa_mapping: torch.Tensor | None = None,
     page_size: int = 1,
+    addressing: EncoderAddressing = STOCK_ADDRESSING,
 ) -> torch.Tensor:
     """One layer's attention for every request of the batch; returns ``[num_tokens, num_heads, v_head_dim]``.
 
-    ``page_size`` (the KV pool's) is read only by the opt-in paged decode.
+    ``page_size`` (the KV pool's) is read only by the opt-in paged decode. ``addressing``: where the pool keeps
+    vision tokens (:mod:`mossvl_ascend.attention.kv_layout`); a request's text slots start behind its
+    ``addressing.row_len(encoder_len)`` encoder slots, and a cross-attention layer's ``k_cache`` holds every band.
     """
     output = query.new_zeros(query.shape[0], query.shape[1], v_cache.shape[-1])
     paged = _paged_attention_enabled(query.device) and full_to_swa_mapping is None and not layer.logit_cap
-    for group in _groups(metadata, req_to_token, req_pool_indices, layer.is_cross_attention, k_cache, v_cache):
+    groups = _groups(metadata, req_to_token, req_pool_indices, layer.is_cross_attention, k_cache, v_cache, addressing)
+    for group in groups:
         if paged and group.query_index.shape[1] == 1:
             _paged_group_attention(
-                query, output, k_cache, v_cache, req_to_token, req_pool_indices, metadata, group, layer, page_size
+                query,
+                output,
+                k_cache,
+                v_cache,
+                req_to_token,
+                req_pool_indices,
+                metadata,
+                group,
+                layer,
+                page_size,
+                addressing,
             )
         else:
             _group_attention(query, output, k_cache, v_cache, group, layer, full_to_swa_mapping)
@@ -183,6 +198,7 @@ def attention(
                 index,
                 layer,
                 full_to_swa_mapping,
+                addressing,
             )
     return output
 
@@ -216,19 +232,23 @@ def _staircase_requests(metadata: ForwardAttentionMetadata) -> list[int]:
     ]
 
 
-def _groups(metadata, req_to_token, req_pool_indices, is_cross: bool, k_cache, v_cache) -> list[PaddedGroup]:
+def _groups(
+    metadata, req_to_token, req_pool_indices, is_cross: bool, k_cache, v_cache, addressing
+) -> list[PaddedGroup]:
     """This forward's padded groups for one attention kind, built on the first layer of that kind and cached
     (every layer of a forward reads the same ``req_to_token`` rows)."""
     budget = GATHER_BUDGET_BYTES.get(k_cache.device.type)
     bytes_per_key = k_cache.stride(0) * k_cache.element_size() + v_cache.stride(0) * v_cache.element_size()
     max_keys = None if budget is None else max(1, budget // bytes_per_key)
     by_lengths = takes_lengths(k_cache.device.type)
-    build = functools.partial(_build_groups, metadata, req_to_token, req_pool_indices, is_cross, max_keys, by_lengths)
+    build = functools.partial(
+        _build_groups, metadata, req_to_token, req_pool_indices, is_cross, addressing, max_keys, by_lengths
+    )
     return metadata.cached(("groups", is_cross), build)
 
 
 def _build_groups(
-    metadata, req_to_token, req_pool_indices, is_cross: bool, max_keys=None, by_lengths=False
+    metadata, req_to_token, req_pool_indices, is_cross: bool, addressing, max_keys=None, by_lengths=False
 ) -> list[PaddedGroup]:
     if is_cross:
         staircase = set(_staircase_requests(metadata))
@@ -245,7 +265,7 @@ def _build_groups(
         members = [i for i in range(metadata.batch_size) if metadata.extend_lens[i]]
         key_lens = metadata.seq_lens
     return [
-        _padded_group(metadata, req_to_token, req_pool_indices, bucket, is_cross, by_lengths)
+        _padded_group(metadata, req_to_token, req_pool_indices, bucket, is_cross, addressing, by_lengths)
         for bucket in _length_buckets(members, metadata.extend_lens, key_lens, max_keys)
     ]
 
@@ -271,14 +291,24 @@ def _length_buckets(members: list[int], row_lens: list[int], key_lens: list[int]
 
 
 def _padded_group(
-    metadata, req_to_token, req_pool_indices, members: list[int], is_cross: bool, by_lengths: bool = False
+    metadata,
+    req_to_token,
+    req_pool_indices,
+    members: list[int],
+    is_cross: bool,
+    addressing: EncoderAddressing = STOCK_ADDRESSING,
+    by_lengths: bool = False,
 ) -> PaddedGroup:
     """One call's padded tables, built with a fixed number of ops whatever the group size and with no device
-    sync: the per-request integers go to the device in one copy, and everything else is derived there."""
+    sync: the per-request integers go to the device in one copy, and everything else is derived there.
+
+    Cross-attention keys are vision tokens: key ``t`` of a request with ``R`` encoder slots is band ``t // R``
+    of its slot ``t % R`` (``kv_layout.vision_addresses``; the stock pool has one band, so ``R`` = keys)."""
     device = req_to_token.device
     query_starts = list(itertools.accumulate(metadata.extend_lens, initial=0))
     row_lens = [metadata.extend_lens[i] for i in members]
-    key_starts = [0 if is_cross else metadata.encoder_lens[i] for i in members]
+    encoder_rows = [addressing.row_len(metadata.encoder_lens[i]) for i in members]
+    key_starts = [0] * len(members) if is_cross else encoder_rows
     key_lens = [metadata.encoder_lens[i] if is_cross else metadata.seq_lens[i] for i in members]
     packed_starts = list(itertools.accumulate(row_lens, initial=0))[:-1]  # of each request's rows in this group
     max_rows, max_keys, total_rows = max(row_lens), max(key_lens), sum(row_lens)
@@ -291,15 +321,23 @@ def _padded_group(
             [metadata.prefix_lens[i] for i in members],
             [j * max_rows - start for j, start in enumerate(packed_starts)],
             [query_starts[i] - start for i, start in zip(members, packed_starts)],
+            [max(1, rows) for rows in encoder_rows],
         ],
         device=device,
     )
-    row_lens_t, key_starts_t, key_lens_t, query_starts_t, prefix_lens_t, to_padded, to_packed = per_request
+    row_lens_t, key_starts_t, key_lens_t, query_starts_t, prefix_lens_t, to_padded, to_packed, encoder_rows_t = (
+        per_request
+    )
 
     key_offsets = torch.arange(max_keys, device=device)[None, :]
-    columns = (key_starts_t[:, None] + key_offsets).clamp_(max=req_to_token.shape[1] - 1)
     pool_rows = req_pool_indices[members].to(device).long()
-    slots = req_to_token[pool_rows[:, None], columns].long()
+    if is_cross:
+        columns = (key_offsets % encoder_rows_t[:, None]).clamp_(max=req_to_token.shape[1] - 1)
+        bands = key_offsets // encoder_rows_t[:, None]
+        slots = req_to_token[pool_rows[:, None], columns].long() + bands * addressing.band_stride
+    else:
+        columns = (key_starts_t[:, None] + key_offsets).clamp_(max=req_to_token.shape[1] - 1)
+        slots = req_to_token[pool_rows[:, None], columns].long()
     slots = slots.masked_fill_(key_offsets >= key_lens_t[:, None], 0)
 
     row_offsets = torch.arange(max_rows, device=device)[None, :]
@@ -383,13 +421,14 @@ def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer:
 
 
 def _staircase_attention(
-    query, output, k_cache, v_cache, req_to_token, req_pool_indices, metadata, index, layer, slot_map
+    query, output, k_cache, v_cache, req_to_token, req_pool_indices, metadata, index, layer, slot_map, addressing
 ):
     """One request's cross-attention by its block plan (long staircases: videos, several images)."""
     start = sum(metadata.extend_lens[:index])
     rows = slice(start, start + metadata.extend_lens[index])
     slots = metadata.cached(
-        ("staircase slots", index), lambda: _encoder_slots(req_to_token, req_pool_indices, metadata, index)
+        ("staircase slots", index),
+        lambda: _encoder_slots(req_to_token, req_pool_indices, metadata, index, addressing),
     )
     if slot_map is not None:
         slots = slot_map[slots]
@@ -407,10 +446,12 @@ def _staircase_attention(
     output[rows] = out.movedim(0, 1)
 
 
-def _encoder_slots(req_to_token, req_pool_indices, metadata, index: int) -> torch.Tensor:
-    """Request ``index``'s encoder slots, read once per forward (a 1-element slice keeps the pool row on the
-    device: indexing with a 0-d tensor would read it on the host)."""
-    return req_to_token[req_pool_indices[index : index + 1], : metadata.encoder_lens[index]][0].long()
+def _encoder_slots(req_to_token, req_pool_indices, metadata, index: int, addressing) -> torch.Tensor:
+    """Where request ``index``'s vision tokens are in a cross-attention layer's K/V, read once per forward (a
+    1-element slice keeps the pool row on the device: indexing with a 0-d tensor would read it on the host)."""
+    encoder_len = metadata.encoder_lens[index]
+    row = req_to_token[req_pool_indices[index : index + 1], : addressing.row_len(encoder_len)][0]
+    return vision_addresses(row, encoder_len, addressing.band_stride)
 
 
 def _paged_attention_enabled(device: torch.device) -> bool:
@@ -418,12 +459,14 @@ def _paged_attention_enabled(device: torch.device) -> bool:
 
 
 def _paged_group_attention(
-    query, output, k_cache, v_cache, req_to_token, req_pool_indices, metadata, group, layer, page_size
+    query, output, k_cache, v_cache, req_to_token, req_pool_indices, metadata, group, layer, page_size, addressing
 ):
     """One-row group straight from the paged pool: block table over each request's slots up to the end of its
     keys, the encoder in front of self-attention's text masked out, no K/V gather."""
     is_cross = layer.is_cross_attention
-    build = functools.partial(_paged_tables, metadata, group, req_to_token, req_pool_indices, is_cross, page_size)
+    build = functools.partial(
+        _paged_tables, metadata, group, req_to_token, req_pool_indices, is_cross, page_size, addressing
+    )
     tables = metadata.cached(("paged", is_cross, group.requests, page_size), build)
     q = query[group.query_index].permute(0, 2, 1, 3)
     out, _ = npu_paged_attention_with_lse(
@@ -439,19 +482,45 @@ def _paged_group_attention(
     output[group.query_index[:, 0]] = out[:, :, 0]
 
 
-def _paged_tables(metadata, group, req_to_token, req_pool_indices, is_cross: bool, page_size: int) -> PagedTables:
+def _paged_tables(
+    metadata, group, req_to_token, req_pool_indices, is_cross: bool, page_size: int, addressing
+) -> PagedTables:
     """The block table (the page of every ``page_size``-th slot of each request's row), the KV ends from host
     metadata (self-attention: encoder + text; cross-attention: the prefix its row sees, never 0: such requests are
     in no group, so no table is empty) and the encoder mask of self-attention."""
     device = req_to_token.device
-    starts = [0 if is_cross else metadata.encoder_lens[i] for i in group.requests]
+    pool_rows = req_pool_indices[list(group.requests)].to(device).long()
+    if is_cross and addressing.bands > 1:
+        return _banded_vision_tables(metadata, group, req_to_token, pool_rows, page_size, addressing)
+    starts = [0 if is_cross else addressing.row_len(metadata.encoder_lens[i]) for i in group.requests]
     ends = [start + keys for start, keys in zip(starts, group.lengths.keys)]
     blocks = -(-max(ends) // page_size)
     columns = (torch.arange(blocks, device=device) * page_size).clamp_(max=req_to_token.shape[1] - 1)
-    pool_rows = req_pool_indices[list(group.requests)].to(device).long()
     block_table = (req_to_token[pool_rows[:, None], columns] // page_size).to(torch.int32)
     masked_out = None
     if any(starts):
         positions = torch.arange(blocks * page_size, device=device)
         masked_out = (positions[None, :] < group.key_starts[:, None]).view(len(ends), 1, 1, -1)
     return PagedTables(block_table, ends, masked_out)
+
+
+def _banded_vision_tables(metadata, group, req_to_token, pool_rows, page_size: int, addressing) -> PagedTables:
+    """Cross-attention block tables when an encoder slot holds several vision tokens: band ``b`` of a request's
+    encoder pages is a run of blocks of its own (the same pages, ``band_stride`` slots further into the
+    storage), bands one after another; the mask hides what is not one of the vision tokens its row sees
+    (the band's tail past the encoder row, text sharing the last encoder page, the last band's unused part)."""
+    device = req_to_token.device
+    bands = addressing.bands
+    rows = [addressing.row_len(metadata.encoder_lens[i]) for i in group.requests]
+    per_band = -(-max(rows) // page_size)
+    columns = (torch.arange(per_band, device=device) * page_size).clamp_(max=req_to_token.shape[1] - 1)
+    pages = req_to_token[pool_rows[:, None], columns] // page_size
+    band_offsets = torch.arange(bands, device=device)[None, :, None] * (addressing.band_stride // page_size)
+    block_table = (pages[:, None, :] + band_offsets).flatten(1).to(torch.int32)
+    band_keys = per_band * page_size
+    positions = torch.arange(bands * band_keys, device=device)
+    band, entry = positions // band_keys, positions % band_keys
+    rows_t, keys_t = torch.tensor([rows, list(group.lengths.keys)], device=device)
+    visible = (entry[None, :] < rows_t[:, None]) & (band[None, :] * rows_t[:, None] + entry[None, :] < keys_t[:, None])
+    ends = [bands * band_keys] * len(rows)
+    return PagedTables(block_table, ends, (~visible).view(len(rows), 1, 1, -1))

@@ -12,6 +12,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from mossvl_ascend.attention.core import AttentionLayer, attention
+from mossvl_ascend.attention.kv_layout import addressing_of_pool
 from mossvl_ascend.attention.metadata import metadata_of_forward_batch
 
 
@@ -62,5 +63,6 @@ def encoder_decoder_attention(
         metadata_of_forward_batch(forward_batch),
         layer_constants(layer),
         page_size=token_to_kv_pool.page_size,
+        addressing=addressing_of_pool(token_to_kv_pool),
     )
     return output.view(-1, layer.tp_q_head_num * layer.v_head_dim)
