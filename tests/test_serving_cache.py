@@ -2,7 +2,7 @@
 
 A three-turn conversation whose later turns reuse the first turn's image (so the encoder prefix and the cached
 text are real radix hits, and extends run with a cached text prefix) must equal the reference model on every
-server; the cold server with the cache off is the control. A request whose encoder is longer than one 128-token
+server; the cold server with the cache off is the control. A request whose encoder is longer than one 128-slot
 page is sent twice: with page size 128 the radix match ends inside the encoder span and must be dropped
 (stock sglang would trip its whole-encoder assertion), with identical output. One server at a time.
 """
@@ -13,6 +13,7 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
+from mossvl_ascend.attention.kv_layout import LayerBands, encoder_row_len
 from serving.launch import SglangServer
 from support.serving import ASSETS, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
 
@@ -54,14 +55,30 @@ CONVERSATION_TURNS = [
 ]
 
 
+# Two 512x512 images: 2 x (16x16 merged tokens + separator) vision tokens.
+LONG_ENCODER_VISION_TOKENS = 2 * 257
+
+
 @pytest.fixture(scope="module")
 def long_encoder_request(tmp_path_factory):
-    """One 512x512 image: 16x16 merged tokens + separator = 257 encoder tokens, more than a 128-token page pair."""
-    path = tmp_path_factory.mktemp("media") / "noise_512.png"
-    Image.effect_noise((512, 512), 64).convert("RGB").save(path)
-    return [
-        {"role": "user", "content": [{"type": "image", "image": str(path)}, {"type": "text", "text": "Describe it."}]}
-    ]
+    """Two 512x512 images, whose encoder is longer than one 128-slot page in either KV layout (the MOSS-VL layout
+    keeps three vision tokens per slot on the tiny model: 172 encoder slots)."""
+    media = tmp_path_factory.mktemp("media")
+    parts = []
+    for seed in (64, 32):
+        path = media / f"noise_512_{seed}.png"
+        Image.effect_noise((512, 512), seed).convert("RGB").save(path)
+        parts.append({"type": "image", "image": str(path)})
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe them."}]}]
+
+
+@pytest.fixture(scope="module")
+def long_encoder_slots(checkpoint):
+    """The encoder slots of that request in the served KV layout (the default MOSS-VL layout off CUDA)."""
+    from transformers import AutoConfig
+
+    text_config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True).text_config
+    return encoder_row_len(LONG_ENCODER_VISION_TOKENS, LayerBands.of_text_config(text_config).bands)
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +112,15 @@ def test_multi_turn_conversation_equals_the_reference(served, reference):
         assert all(hit > 0 for hit in later_hits), f"{config}: later turns should reuse the cached prefix: {later_hits}"
 
 
-def test_encoder_longer_than_a_page_twice(served, reference, long_encoder_request):
+def test_encoder_longer_than_a_page_twice(served, reference, long_encoder_request, long_encoder_slots):
     config, client, model_name = served
+    assert long_encoder_slots > 128
     first = served_ids(client, model_name, long_encoder_request)
     second = served_ids(client, model_name, long_encoder_request)
     expected = reference["long_encoder"][1]
     assert first["completion_ids"] == second["completion_ids"] == expected
     if config == "radix_page128":
-        # 256 of the 257 encoder tokens are page-aligned: a partial encoder must never be reused.
+        # The first page of the encoder is page-aligned, its rest is not: a partial encoder must never be reused.
         assert cached_tokens(second["usage"]) == 0
     elif config == "radix_page1":
-        assert cached_tokens(second["usage"]) > 257
+        assert cached_tokens(second["usage"]) > long_encoder_slots

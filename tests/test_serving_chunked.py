@@ -1,6 +1,6 @@
 """MOSS-VL served with chunked prefill and mixed chunks: token-exact against the reference model (fp32).
 
-Stock ``python -m sglang.launch_server`` + the plugin on CPU, tiny checkpoint (encoders of 5-17 tokens, prompts of
+Stock ``python -m sglang.launch_server`` + the plugin on CPU, tiny checkpoint (encoders of 5-17 vision tokens, 2-6 KV slots, prompts of
 23-86 text rows; the long prompts below have ~300). Servers run one at a time (each holds its model and KV
 pool on the 2 cores and 24 GiB the suite has):
 
@@ -28,6 +28,8 @@ import pytest
 import requests
 from openai import APIConnectionError
 
+from moss_vl_reference.tiny_checkpoint import PRESETS
+from mossvl_ascend.attention.kv_layout import LayerBands, encoder_row_len
 from serving.launch import REPO_ROOT, SglangServer
 from support.serving import (
     CASES,
@@ -56,6 +58,13 @@ ONE_ROW_CONFIGS = {
     "radix": ["--chunked-prefill-size", "1"],
     "no_radix": ["--chunked-prefill-size", "1", "--disable-radix-cache"],
 }
+# Encoder slots of the tiny checkpoint's video (15 vision tokens) and three-turn prompt (17) in the served KV layout
+# (the MOSS-VL layout, the default off CUDA: a slot holds `bands` vision tokens).
+TINY_BANDS = LayerBands(
+    PRESETS["tiny"]["text"]["num_hidden_layers"], tuple(PRESETS["tiny"]["text"]["cross_attention_layers"])
+).bands
+VIDEO_ENCODER_SLOTS = encoder_row_len(15, TINY_BANDS)
+THREE_TURN_ENCODER_SLOTS = encoder_row_len(17, TINY_BANDS)
 MID_QUESTION_MIXED = ["--chunked-prefill-size", "16", "--enable-mixed-chunk"]
 FIGURES = REPO_ROOT / "build" / "serving_chunked_figures.json"
 
@@ -243,20 +252,23 @@ def assert_parity(served, reference):
 
 
 def test_unchunked_baseline_prefills_each_prompt_whole(unchunked, reference):
-    # The three-turn prompt (86 text rows + a 17-token encoder) went in one prefill.
-    assert max(tokens for _, tokens, _ in unchunked["batches"]) >= len(reference["three_turns"][0]) + 17
+    # The three-turn prompt (86 text rows + its 17-token encoder's slots) went in one prefill.
+    assert (
+        max(tokens for _, tokens, _ in unchunked["batches"])
+        >= len(reference["three_turns"][0]) + THREE_TURN_ENCODER_SLOTS
+    )
 
 
 @pytest.mark.parametrize("config", list(ONE_ROW_CONFIGS))
 def test_one_row_chunks_equal_the_reference_and_the_log_shows_them(one_row, reference, config):
     assert_parity(one_row[config]["served"], reference)
     tokens = [t for _, t, _ in one_row[config]["batches"]]
-    # Each vision request: one first chunk = encoder + 1 row (16 for the video, 18 for three turns), then
-    # one-row chunks; text-only requests are all one-row chunks.
-    assert 16 in tokens and 18 in tokens
+    # Each vision request: one first chunk = encoder slots + 1 row (the video, three turns), then one-row chunks;
+    # text-only requests are all one-row chunks.
+    assert VIDEO_ENCODER_SLOTS + 1 in tokens and THREE_TURN_ENCODER_SLOTS + 1 in tokens
     text_rows_after_the_first = sum(len(reference[name][0]) for name in PARITY_ORDER) - len(PARITY_ORDER)
     assert tokens.count(1) >= 0.8 * text_rows_after_the_first  # (a few rows may come from the radix cache)
-    assert max(tokens) <= 18
+    assert max(tokens) <= max(VIDEO_ENCODER_SLOTS, THREE_TURN_ENCODER_SLOTS) + 1
 
 
 @pytest.mark.parametrize("config", list(ONE_ROW_CONFIGS))
@@ -289,7 +301,8 @@ def test_mid_question_chunks_with_mixed_batches_equal_the_reference(mixed, refer
     assert_parity(mixed["served"], reference)
     tokens = [t for _, t, _ in mixed["batches"]]
     assert tokens.count(16) >= len(PARITY_ORDER)  # every prompt (>= 23 rows) was cut at 16 at least once
-    assert max(tokens) <= 18  # the three-turn encoder (17) + 1 row may exceed the budget, nothing else
+    # The three-turn encoder + 1 row could exceed the budget, nothing else.
+    assert max(tokens) <= max(16, THREE_TURN_ENCODER_SLOTS + 1)
 
 
 def test_long_and_short_requests_at_once_equal_the_reference_and_short_ttft_is_reported(mixed, reference, unchunked):

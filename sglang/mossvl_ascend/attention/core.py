@@ -242,13 +242,19 @@ def _groups(
     max_keys = None if budget is None else max(1, budget // bytes_per_key)
     by_lengths = takes_lengths(k_cache.device.type)
     build = functools.partial(
-        _build_groups, metadata, req_to_token, req_pool_indices, is_cross, addressing, max_keys, by_lengths
+        _build_groups, metadata, req_to_token, req_pool_indices, is_cross, max_keys, by_lengths, addressing
     )
     return metadata.cached(("groups", is_cross), build)
 
 
 def _build_groups(
-    metadata, req_to_token, req_pool_indices, is_cross: bool, addressing, max_keys=None, by_lengths=False
+    metadata,
+    req_to_token,
+    req_pool_indices,
+    is_cross: bool,
+    max_keys=None,
+    by_lengths=False,
+    addressing=STOCK_ADDRESSING,
 ) -> list[PaddedGroup]:
     if is_cross:
         staircase = set(_staircase_requests(metadata))

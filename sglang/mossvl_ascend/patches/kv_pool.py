@@ -48,13 +48,33 @@ def layer_bands_for(configurator) -> LayerBands | None:
     info = configurator.layer_info
     if not bands.applies or (info.start_layer, info.end_layer) != (0, bands.num_layers):
         return None
+    if features_that_copy_stock_layers():
+        return None
     return bands
+
+
+def features_that_copy_stock_layers() -> list[str]:
+    """Enabled features that move KV between devices one stock layer buffer at a time (they would copy a
+    cross-attention layer's vision tokens by slot): with any of them the stock pool stays."""
+    from sglang.srt.runtime_context import get_server_args
+
+    args = get_server_args()
+    enabled = {
+        "--enable-hierarchical-cache": args.enable_hierarchical_cache,
+        "--disaggregation-mode": args.disaggregation_mode != "null",
+        "--enable-lmcache": args.enable_lmcache,
+        "--speculative-algorithm": args.speculative_algorithm is not None,
+    }
+    return [flag for flag, on in enabled.items() if on]
 
 
 def slots_in_the_stock_budget(sizes, configurator, *args: Any, **kwargs: Any):
     """AFTER hook on ``_derive_pool_sizes``: the slot count that fills the stock pool's bytes."""
     bands = layer_bands_for(configurator)
     if bands is None:
+        copying = features_that_copy_stock_layers()
+        if copying and getattr(configurator.model_config.hf_config, "model_type", None) == "moss_vl":
+            logger.warning("MOSS-VL KV layout off (stock pool): %s copy KV one stock layer at a time", copying)
         return sizes
     page_size = configurator.pool_page_size
     stock_tokens = sizes.max_total_num_tokens
@@ -177,6 +197,37 @@ def _vision_tokens(req, row_len: int) -> int:
     return vision_tokens
 
 
+def vision_tokens_per_prefill_within_a_chunk(original: Callable, adder, req, *args: Any, **kwargs: Any):
+    """AROUND hook on ``PrefillAdder.add_one_req``: a prefill batch takes at most a chunk of new vision tokens
+    (the vision tower's work), as with stock's token counts; alone in a batch a request is admitted as before."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    vision_tokens = _new_vision_tokens(req)
+    if _active_bands() is None or not vision_tokens or not adder.can_run_list:
+        return original(adder, req, *args, **kwargs)
+    admitted = sum(_new_vision_tokens(other) for other in adder.can_run_list)
+    if admitted + vision_tokens > _prefill_chunk_tokens():
+        return AddReqResult.OTHER
+    return original(adder, req, *args, **kwargs)
+
+
+def _new_vision_tokens(req) -> int:
+    """The vision tokens this request's next prefill runs through the vision tower (0 once its encoder is in)."""
+    mm_inputs = req.multimodal_inputs
+    rows = (mm_inputs.num_image_tokens or 0) if mm_inputs is not None else 0
+    if not rows or req.prefix_len >= rows:
+        return 0
+    return getattr(mm_inputs, VISION_TOKENS_ATTRIBUTE, rows)
+
+
+def _prefill_chunk_tokens() -> int:
+    from sglang.srt.runtime_context import get_server_args
+
+    args = get_server_args()
+    chunk = args.chunked_prefill_size
+    return chunk if chunk is not None and chunk > 0 else args.max_prefill_tokens
+
+
 # The bands of this process's shaped pool, recorded when it is built: the padding hook runs in the same scheduler
 # process and must pad for the same layout.
 _ACTIVE: dict[str, int] = {}
@@ -202,8 +253,9 @@ PATCHES = (
             "the stock token count (from `--mem-fraction-static` or `--max-total-tokens`, unchanged) becomes the "
             "pool's bytes; they hold `tokens * L / (bands * L_cross)` slots (whole pages), a slot storing one text "
             "token or `bands` vision tokens. The start-up log gives the capacity in text and in vision tokens. "
-            "MOSS-VL only, all layers on this rank (no pipeline split), not a draft model; `MOSSVL_KV_LAYOUT=stock` "
-            "keeps stock"
+            "MOSS-VL only, all layers on this rank (no pipeline split), not a draft model, and none of the features "
+            "that copy KV one stock layer buffer at a time (hierarchical cache, PD disaggregation, LMCache, "
+            "speculative decoding: a warning says the stock pool stays); `MOSSVL_KV_LAYOUT=stock` keeps stock"
         ),
         upstream="not in sglang (its hybrid pools split by layer kind for sliding-window and linear attention)",
         remove_when="sglang sizes encoder-decoder KV per layer kind",
@@ -273,6 +325,27 @@ PATCHES = (
             "become vision tokens and `encoder_out_cache_loc` the unit address of every new vision token (band "
             "`t // R` of encoder slot `t % R`); the ScheduleBatch keeps its slot counts. The attention core reads "
             "text behind `R` encoder slots and vision tokens at the same addresses"
+        ),
+        upstream="not in sglang",
+        remove_when="sglang sizes encoder-decoder KV per layer kind",
+    ),
+    Patch(
+        title="MOSS-VL KV layout: a prefill batch takes at most a chunk of new vision tokens",
+        target="sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+        kind=HookType.AROUND,
+        hook=vision_tokens_per_prefill_within_a_chunk,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "admission and the chunk budget count slots, and an encoder takes `1 / bands` of its vision tokens in "
+            "slots, so one prefill batch could carry `bands` times the vision tokens stock would put through the "
+            "vision tower at once (measured on the bench preset at chunk 4096: 7 videos in one batch, about 57k "
+            "patches, and the CPU vision attention asked for 78.9 GB)"
+        ),
+        how=(
+            "with the layout active, a request whose encoder is not cached yet joins a prefill batch that already "
+            "has requests only if the batch's new vision tokens stay within `--chunked-prefill-size` (else "
+            "`--max-prefill-tokens`); otherwise it waits for the next batch (`AddReqResult.OTHER`). A request alone "
+            "in its batch is admitted as before. Memory admission is unchanged (slots)"
         ),
         upstream="not in sglang",
         remove_when="sglang sizes encoder-decoder KV per layer kind",
