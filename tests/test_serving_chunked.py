@@ -1,8 +1,8 @@
 """MOSS-VL served with chunked prefill and mixed chunks: token-exact against the reference model (fp32).
 
-Stock ``python -m sglang.launch_server`` + the plugin on CPU, tiny checkpoint (encoders of 5-17 vision tokens, 2-6 KV slots, prompts of
-23-86 text rows; the long prompts below have ~300). Servers run one at a time (each holds its model and KV
-pool on the 2 cores and 24 GiB the suite has):
+Stock ``python -m sglang.launch_server`` + the plugin on CPU, tiny checkpoint (encoders of 5-17 vision tokens,
+2-6 KV slots; prompts of 23-86 text rows; the long prompts below have ~300). Servers run one at a time (each
+holds its model and KV pool on the 2 cores and 24 GiB the suite has):
 
 * ``--chunked-prefill-size -1`` (unchunked): the baseline for prompt logprobs and short-request TTFT;
 * ``--chunked-prefill-size 1``, with the radix cache on and with ``--disable-radix-cache``: the
