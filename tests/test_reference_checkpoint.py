@@ -76,18 +76,26 @@ def test_every_control_token_is_a_special_token(processor):
 
 
 def test_realtime_preset_is_the_tiny_model_with_its_template_and_a_scaled_silence_row():
-    """tiny-realtime: the tiny weights and vocabulary, the realtime chat template, and only the <|silence|> LM head
-    row changed (multiplied by SILENCE_ROW_SCALE); the tiny preset itself is untouched."""
+    """tiny-realtime: the tiny preset at 4 text layers (cross-attention at 1 and 3; the depth its stream tests were
+    calibrated on), the tiny vocabulary, the realtime chat template, and only the <|silence|> LM head row changed
+    (multiplied by SILENCE_ROW_SCALE) against the same preset's seeded weights; the tiny preset itself is untouched."""
     tiny, realtime = build_or_reuse("tiny"), build_or_reuse("tiny-realtime")
-    tiny_weights = load_file(str(tiny / "model.safetensors"))
+    tiny_text, realtime_text = (tiny_checkpoint.PRESETS[name]["text"] for name in ("tiny", "tiny-realtime"))
+    depth = ("num_hidden_layers", "cross_attention_layers")
+    assert {k: v for k, v in realtime_text.items() if k not in depth} == {
+        k: v for k, v in tiny_text.items() if k not in depth
+    }
+    assert (realtime_text["num_hidden_layers"], realtime_text["cross_attention_layers"]) == (4, [1, 3])
     realtime_weights = load_file(str(realtime / "model.safetensors"))
     processor = AutoProcessor.from_pretrained(realtime, trust_remote_code=True)
     silence = processor.tokenizer.convert_tokens_to_ids("<|silence|>")
-    assert set(tiny_weights) == set(realtime_weights)
-    for name, tensor in tiny_weights.items():
+    config = tiny_checkpoint.build_config(tiny_checkpoint.PRESETS["tiny-realtime"], processor.tokenizer)
+    unscaled = tiny_checkpoint.random_weights(config, seed=0)
+    assert set(unscaled) == set(realtime_weights)
+    for name, tensor in unscaled.items():
         if name != "lm_head.weight":
             assert torch.equal(tensor, realtime_weights[name]), name
-    expected_head = tiny_weights["lm_head.weight"].clone()
+    expected_head = unscaled["lm_head.weight"].clone()
     expected_head[silence] *= tiny_checkpoint.SILENCE_ROW_SCALE
     assert torch.equal(realtime_weights["lm_head.weight"], expected_head)
     plain = AutoProcessor.from_pretrained(tiny, trust_remote_code=True)
