@@ -30,9 +30,9 @@ bytes of the stock pool (every token all ``L`` layers). A request of ``E`` visio
    share their KV, and the count would measure sharing, not memory); ``--max-running-requests`` far above any
    count reached; ``--prefill-max-requests 1``: stock sglang's CPU vision attention (``VisionSdpaAttention``)
    runs one dense SDPA over every patch of a prefill batch, memory and time quadratic in the batch's patches (7
-   clips of 8 x 512x512 frames in one batch asked for 79 GB), and the layout admits several clips into one
-   4,096-slot chunk where stock admits one; one request per prefill batch keeps the vision work per batch the same
-   in both layouts, and admission (what fits in the pool) is unchanged. The default budget puts every count of
+   clips of 8 x 512x512 frames in one batch asked for 79 GB, before the plugin capped a prefill batch's new vision
+   tokens at a chunk); one request per prefill batch keeps the vision work per batch the same in both layouts, and
+   admission (what fits in the pool) is unchanged. The default budget puts every count of
    both workloads just above a whole request in both layouts (3 and 4 image requests, 6 and 25 video requests):
    the counts are whole numbers, so at other budgets a gain moves by up to one request in 3 around the bound.
 
