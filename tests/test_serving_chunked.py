@@ -36,6 +36,7 @@ from support.serving import (
     GREEDY,
     MAX_TOKENS,
     chat_logprobs,
+    kv_load,
     load_reference,
     long_case,
     openai_client,
@@ -45,6 +46,7 @@ from support.serving import (
     served_ids,
     short_case,
     to_openai,
+    wait_for_load,
 )
 
 pytestmark = pytest.mark.timeout(1800)
@@ -81,23 +83,6 @@ def reference(checkpoint):
 
 def all_prompt_logprobs(server, processor) -> dict:
     return {name: chat_logprobs(server.base_url, processor, CASES[name]) for name in PARITY_ORDER}
-
-
-def kv_load(server) -> dict:
-    """The scheduler's load report (``/v1/loads``): ``num_used_tokens`` = KV slots neither free nor evictable."""
-    response = requests.get(f"{server.base_url}/v1/loads", timeout=30)
-    response.raise_for_status()
-    return response.json()["loads"][0]
-
-
-def wait_for_load(server, done, timeout_s: float = 60.0) -> dict:
-    """Poll ``/v1/loads`` until ``done(load)`` or the timeout; returns the last report either way."""
-    deadline = time.monotonic() + timeout_s
-    load = kv_load(server)
-    while not done(load) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        load = kv_load(server)
-    return load
 
 
 ABORTED = "long1"  # an image and ~300 text rows: ~300 one-row chunks

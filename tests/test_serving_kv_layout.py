@@ -19,12 +19,10 @@ Oracle: greedy ids of the reference transformers model in fp32, computed before 
 from __future__ import annotations
 
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import requests
 
 from serving.launch import SglangServer
 from support.serving import (
@@ -37,6 +35,7 @@ from support.serving import (
     retractions,
     served_ids,
     short_case,
+    wait_for_load,
 )
 
 pytestmark = pytest.mark.timeout(1800)
@@ -74,22 +73,6 @@ def reference(checkpoint):
     return {name: reference_ids(model, processor, messages) for name, messages in cases.items()}
 
 
-def kv_load(server) -> dict:
-    response = requests.get(f"{server.base_url}/v1/loads", timeout=30)
-    response.raise_for_status()
-    return response.json()["loads"][0]
-
-
-def wait_for_load(server, done, timeout_s: float = 300.0) -> dict:
-    """Poll ``/v1/loads`` until ``done(load)`` or the timeout; the last report either way."""
-    deadline = time.monotonic() + timeout_s
-    load = kv_load(server)
-    while not done(load) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        load = kv_load(server)
-    return load
-
-
 def is_idle(load: dict) -> bool:
     return load["num_used_tokens"] == 0 and load["num_running_reqs"] == load["num_waiting_reqs"] == 0
 
@@ -99,7 +82,9 @@ def videos_then_text(server) -> dict:
     client, model_name = openai_client(server)
     with ThreadPoolExecutor(max_workers=len(VIDEO_LOAD) + len(TEXT_LOAD)) as pool:
         videos = {name: pool.submit(served_ids, client, model_name, messages) for name, messages in VIDEO_LOAD.items()}
-        full = wait_for_load(server, lambda load: load["num_waiting_reqs"] > 0 and load["num_running_reqs"] > 0)
+        full = wait_for_load(
+            server, lambda load: load["num_waiting_reqs"] > 0 and load["num_running_reqs"] > 0, timeout_s=300
+        )
         texts = {name: pool.submit(served_ids, client, model_name, messages) for name, messages in TEXT_LOAD.items()}
         answers = {name: future.result() for name, future in (videos | texts).items()}
     return {"answers": answers, "full": full, "idle": wait_for_load(server, is_idle, timeout_s=60)}

@@ -9,6 +9,7 @@ completion ids must equal it token for token.
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import requests
@@ -254,3 +255,20 @@ def chat_logprobs(base_url: str, processor, messages: list[dict], max_new_tokens
         "output_logprobs": [entry[0] for entry in output],
         "prompt_tokens": prompt_tokens,
     }
+
+
+def kv_load(server) -> dict:
+    """The scheduler's load report (``/v1/loads``): ``num_used_tokens`` = KV slots neither free nor evictable."""
+    response = requests.get(f"{server.base_url}/v1/loads", timeout=30)
+    response.raise_for_status()
+    return response.json()["loads"][0]
+
+
+def wait_for_load(server, done, timeout_s: float = 60.0) -> dict:
+    """Poll ``/v1/loads`` until ``done(load)`` or the timeout; returns the last report either way."""
+    deadline = time.monotonic() + timeout_s
+    load = kv_load(server)
+    while not done(load) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        load = kv_load(server)
+    return load
