@@ -27,6 +27,8 @@ PATCH_MODULES: tuple[str, ...] = (
     "radix_prefix",
     "paged_decode",
     "kv_pool",
+    "realtime_sessions",
+    "realtime_api",
     "encoder_cache_key",
     "request_validation",
     "text_only_requests",

@@ -42,7 +42,12 @@ from dataclasses import dataclass
 import torch
 
 from mossvl_ascend.attention.blocks import LEAF_ROWS, frame_causal_cross_attention
-from mossvl_ascend.attention.kv_layout import STOCK_ADDRESSING, EncoderAddressing, vision_addresses
+from mossvl_ascend.attention.kv_layout import (
+    STOCK_ADDRESSING,
+    EncoderAddressing,
+    slot_major_vision_addresses,
+    vision_addresses,
+)
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
 from mossvl_ascend.attention.primitives import (
     BatchLengths,
@@ -169,7 +174,9 @@ def attention(
     paged = _paged_attention_enabled(query.device) and full_to_swa_mapping is None and not layer.logit_cap
     groups = _groups(metadata, req_to_token, req_pool_indices, layer.is_cross_attention, k_cache, v_cache, addressing)
     for group in groups:
-        if paged and group.query_index.shape[1] == 1:
+        # A slot-major encoder (a realtime session's) has no run of blocks per band: it is gathered.
+        slot_major = layer.is_cross_attention and any(metadata.is_slot_major(i) for i in group.requests)
+        if paged and group.query_index.shape[1] == 1 and not slot_major:
             _paged_group_attention(
                 query,
                 output,
@@ -309,11 +316,13 @@ def _padded_group(
     sync: the per-request integers go to the device in one copy, and everything else is derived there.
 
     Cross-attention keys are vision tokens: key ``t`` of a request with ``R`` encoder slots is band ``t // R``
-    of its slot ``t % R`` (``kv_layout.vision_addresses``; the stock pool has one band, so ``R`` = keys)."""
+    of its slot ``t % R`` (``kv_layout.vision_addresses``; the stock pool has one band, so ``R`` = keys), or, for
+    a slot-major request, band ``t % bands`` of slot ``t // bands``."""
     device = req_to_token.device
     query_starts = list(itertools.accumulate(metadata.extend_lens, initial=0))
     row_lens = [metadata.extend_lens[i] for i in members]
-    encoder_rows = [addressing.row_len(metadata.encoder_lens[i]) for i in members]
+    all_rows = metadata.encoder_row_lens(addressing)
+    encoder_rows = [all_rows[i] for i in members]
     key_starts = [0] * len(members) if is_cross else encoder_rows
     key_lens = [metadata.encoder_lens[i] if is_cross else metadata.seq_lens[i] for i in members]
     packed_starts = list(itertools.accumulate(row_lens, initial=0))[:-1]  # of each request's rows in this group
@@ -338,8 +347,13 @@ def _padded_group(
     key_offsets = torch.arange(max_keys, device=device)[None, :]
     pool_rows = req_pool_indices[members].to(device).long()
     if is_cross:
-        columns = (key_offsets % encoder_rows_t[:, None]).clamp_(max=req_to_token.shape[1] - 1)
+        columns = key_offsets % encoder_rows_t[:, None]
         bands = key_offsets // encoder_rows_t[:, None]
+        if any(metadata.is_slot_major(i) for i in members):
+            slot_major = torch.tensor([metadata.is_slot_major(i) for i in members], device=device)[:, None]
+            columns = torch.where(slot_major, key_offsets // addressing.bands, columns)
+            bands = torch.where(slot_major, key_offsets % addressing.bands, bands)
+        columns = columns.clamp_(max=req_to_token.shape[1] - 1)
         slots = req_to_token[pool_rows[:, None], columns].long() + bands * addressing.band_stride
     else:
         columns = (key_starts_t[:, None] + key_offsets).clamp_(max=req_to_token.shape[1] - 1)
@@ -456,7 +470,9 @@ def _encoder_slots(req_to_token, req_pool_indices, metadata, index: int, address
     """Where request ``index``'s vision tokens are in a cross-attention layer's K/V, read once per forward (a
     1-element slice keeps the pool row on the device: indexing with a 0-d tensor would read it on the host)."""
     encoder_len = metadata.encoder_lens[index]
-    row = req_to_token[req_pool_indices[index : index + 1], : addressing.row_len(encoder_len)][0]
+    row = req_to_token[req_pool_indices[index : index + 1], : metadata.encoder_row_lens(addressing)[index]][0]
+    if metadata.is_slot_major(index):
+        return slot_major_vision_addresses(row, encoder_len, addressing.bands, addressing.band_stride)
     return vision_addresses(row, encoder_len, addressing.band_stride)
 
 
@@ -498,7 +514,8 @@ def _paged_tables(
     pool_rows = req_pool_indices[list(group.requests)].to(device).long()
     if is_cross and addressing.bands > 1:
         return _banded_vision_tables(metadata, group, req_to_token, pool_rows, page_size, addressing)
-    starts = [0 if is_cross else addressing.row_len(metadata.encoder_lens[i]) for i in group.requests]
+    encoder_rows = metadata.encoder_row_lens(addressing)
+    starts = [0 if is_cross else encoder_rows[i] for i in group.requests]
     ends = [start + keys for start, keys in zip(starts, group.lengths.keys)]
     blocks = -(-max(ends) // page_size)
     columns = (torch.arange(blocks, device=device) * page_size).clamp_(max=req_to_token.shape[1] - 1)
@@ -517,7 +534,8 @@ def _banded_vision_tables(metadata, group, req_to_token, pool_rows, page_size: i
     (the band's tail past the encoder row, text sharing the last encoder page, the last band's unused part)."""
     device = req_to_token.device
     bands = addressing.bands
-    rows = [addressing.row_len(metadata.encoder_lens[i]) for i in group.requests]
+    encoder_rows = metadata.encoder_row_lens(addressing)
+    rows = [encoder_rows[i] for i in group.requests]
     per_band = -(-max(rows) // page_size)
     columns = (torch.arange(per_band, device=device) * page_size).clamp_(max=req_to_token.shape[1] - 1)
     pages = req_to_token[pool_rows[:, None], columns] // page_size

@@ -103,6 +103,14 @@ def vision_addresses(row_slots: torch.Tensor, vision_tokens: int, band_stride: i
     return (tokens // row_len) * band_stride + row_slots[..., tokens % row_len].long()
 
 
+def slot_major_vision_addresses(row_slots: torch.Tensor, vision_tokens: int, bands: int, band_stride: int):
+    """Unit addresses of a growing encoder (a realtime session's): token ``t`` is band ``t % bands`` of slot
+    ``row_slots[t // bands]``, so appending vision tokens moves none already stored (band-major would: its ``R``
+    grows with the encoder)."""
+    tokens = torch.arange(vision_tokens, device=row_slots.device)
+    return (tokens % bands) * band_stride + row_slots[..., tokens // bands].long()
+
+
 @dataclass(frozen=True)
 class EncoderAddressing:
     """How a KV pool addresses vision tokens: ``bands`` per encoder slot, ``band_stride`` slots per band.

@@ -44,18 +44,26 @@ def visible_frames_of_rows(visible_frame_counts: torch.Tensor, text_offset: int,
     return visible_frame_counts[rows.clamp_(max=visible_frame_counts.numel() - 1)]
 
 
+# On a realtime step's MultimodalInputs: the encoder end of every frame of the session so far (int64 tensor).
+FRAME_ENDS_ATTRIBUTE = "mossvl_frame_ends"
+
+
 def request_row_boundaries(mm_input, text_offset: int, q_len: int, encoder_len: int, spatial_merge_size: int, device):
     """Boundaries (int32 ``[q_len]``) of one request's new rows, text rows ``[text_offset, text_offset + q_len)``.
 
     ``mm_input.visible_frame_counts`` (per text token, how many frames it sees) and the first item's
-    ``grid_thw`` give the frame ends; a request without them sees every frame (stock's rule).
+    ``grid_thw`` give the frame ends; a request without them sees every frame (stock's rule). A realtime step
+    carries every frame's end so far (``FRAME_ENDS_ATTRIBUTE``): its item holds only the new frames.
     """
     counts = getattr(mm_input, "visible_frame_counts", None) if mm_input is not None else None
-    item = mm_input.mm_items[0] if mm_input is not None and mm_input.mm_items else None
-    grid_thw = getattr(item, "grid_thw", None) if item is not None else None
-    if counts is None or grid_thw is None:
+    frame_ends = getattr(mm_input, FRAME_ENDS_ATTRIBUTE, None) if mm_input is not None else None
+    if frame_ends is None:
+        item = mm_input.mm_items[0] if mm_input is not None and mm_input.mm_items else None
+        grid_thw = getattr(item, "grid_thw", None) if item is not None else None
+        if grid_thw is not None:
+            frame_ends = frame_ends_from_grid_thw(grid_thw, spatial_merge_size)
+    if counts is None or frame_ends is None:
         return torch.full((q_len,), encoder_len, dtype=torch.int32, device=device)
-    frame_ends = frame_ends_from_grid_thw(grid_thw, spatial_merge_size)
     rows = visible_frames_of_rows(counts, text_offset, q_len).to(device)
     return encoder_boundaries_from_visible_frames(rows, frame_ends, encoder_len)
 
@@ -75,6 +83,11 @@ class ForwardAttentionMetadata:
     cross_boundaries: list[torch.Tensor | None]
     plans: list[FrameCausalPlan | None]
     device: torch.device
+    # A request whose encoder row is not the pool's default (a realtime session's, growing in whole pages):
+    # its encoder slots and whether its vision tokens are slot-major (``kv_layout.slot_major_vision_addresses``).
+    # None: ``addressing.row_len(encoder_len)`` slots, band-major.
+    encoder_rows: list[int] | None = None
+    slot_major: list[bool] | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -145,6 +158,19 @@ class ForwardAttentionMetadata:
             for plan, encoder_len in zip(self.plans, self.encoder_lens)
         ]
 
+    def encoder_row_lens(self, addressing) -> list[int]:
+        """Encoder slots in front of each request's text."""
+        if self.encoder_rows is not None:
+            return self.encoder_rows
+        return [addressing.row_len(encoder_len) for encoder_len in self.encoder_lens]
+
+    def is_slot_major(self, index: int) -> bool:
+        return bool(self.slot_major and self.slot_major[index])
+
+    def with_encoder_rows(self, encoder_rows, slot_major) -> "ForwardAttentionMetadata":
+        self.encoder_rows, self.slot_major = list(encoder_rows), list(slot_major)
+        return self
+
     def cached(self, key, build):
         """``build()`` once per forward under ``key``; every later layer gets the same object."""
         if key not in self._cache:
@@ -160,6 +186,8 @@ class ForwardAttentionMetadata:
             [self.cross_boundaries[index]],
             [self.plans[index]],
             self.device,
+            None if self.encoder_rows is None else [self.encoder_rows[index]],
+            None if self.slot_major is None else [self.slot_major[index]],
         )
 
 
@@ -194,8 +222,20 @@ def metadata_of_forward_batch(forward_batch) -> ForwardAttentionMetadata:
                 forward_batch.cross_attention_custom_mask,
                 device,
             )
-        attach(forward_batch, metadata)
+        attach(forward_batch, _with_forward_encoder_rows(metadata, forward_batch))
     return metadata
+
+
+# Set on a ForwardBatch by the KV-layout hook when a request's encoder row is not the default (realtime sessions).
+ENCODER_ROWS_ATTRIBUTE = "mossvl_encoder_rows"
+SLOT_MAJOR_ATTRIBUTE = "mossvl_slot_major"
+
+
+def _with_forward_encoder_rows(metadata: ForwardAttentionMetadata, forward_batch) -> ForwardAttentionMetadata:
+    rows = getattr(forward_batch, ENCODER_ROWS_ATTRIBUTE, None)
+    if rows is None:
+        return metadata
+    return metadata.with_encoder_rows(rows, getattr(forward_batch, SLOT_MAJOR_ATTRIBUTE))
 
 
 def _seq_lens_list(forward_batch) -> list[int]:
@@ -216,7 +256,8 @@ def metadata_from_visible_frames(forward_batch, spatial_merge_size: int) -> Forw
     device = forward_batch.seq_lens.device
     encoder_lens = _encoder_lens_list(forward_batch)
     if forward_batch.forward_mode.is_decode():
-        return ForwardAttentionMetadata.for_decode(_seq_lens_list(forward_batch), encoder_lens, device)
+        metadata = ForwardAttentionMetadata.for_decode(_seq_lens_list(forward_batch), encoder_lens, device)
+        return _with_forward_encoder_rows(metadata, forward_batch)
     extend_lens = list(forward_batch.extend_seq_lens_cpu)
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
     boundaries = []
@@ -228,4 +269,5 @@ def metadata_from_visible_frames(forward_batch, spatial_merge_size: int) -> Forw
         boundaries.append(
             request_row_boundaries(mm_input, prefix_len, extend_len, encoder_len, spatial_merge_size, device)
         )
-    return ForwardAttentionMetadata.build(extend_lens, prefix_lens, encoder_lens, boundaries, device)
+    metadata = ForwardAttentionMetadata.build(extend_lens, prefix_lens, encoder_lens, boundaries, device)
+    return _with_forward_encoder_rows(metadata, forward_batch)

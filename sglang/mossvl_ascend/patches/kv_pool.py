@@ -158,26 +158,41 @@ def encoder_slots_for_vision_tokens(original: Callable, model, input_ids, mm_inp
 
 def vision_tokens_in_the_forward(forward_batch, cls, batch, model_runner, *args: Any, **kwargs: Any):
     """AFTER hook on ``ForwardBatch.init_new``: the forward's encoder lengths in vision tokens, and the unit
-    address of each new vision token for the cross-attention K/V writes."""
+    address of each new vision token for the cross-attention K/V writes (a realtime step's new frames included)."""
+    from mossvl_ascend.patches.realtime_sessions import step_vision_in_the_forward
+
     addressing = addressing_of_pool(model_runner.token_to_kv_pool)
     rows = forward_batch.encoder_lens_cpu
-    if addressing.bands == 1 or not rows or not any(rows):
+    if not rows or not any(rows):
         return forward_batch
-    tokens = [_vision_tokens(req, row_len) for req, row_len in zip(batch.reqs, rows)]
+    stock_cached = list(forward_batch.encoder_cached)
+    realtime = step_vision_in_the_forward(forward_batch, batch, addressing)
+    if addressing.bands == 1 and realtime is None:
+        return forward_batch
+    realtime = realtime or [None] * len(rows)
+    tokens = [
+        step_tokens if step_tokens is not None else _vision_tokens(req, row_len, addressing.bands)
+        for req, row_len, step_tokens in zip(batch.reqs, rows, realtime)
+    ]
     new_slots = forward_batch.encoder_out_cache_loc
+    step_addresses = getattr(forward_batch, "mossvl_realtime_addresses", {})
     # A decode batch keeps the last extend's (unused) encoder slots: only an extend writes vision K/V.
-    if forward_batch.forward_mode.is_extend() and new_slots is not None and new_slots.numel():
+    if forward_batch.forward_mode.is_extend() and (step_addresses or (new_slots is not None and new_slots.numel())):
         addresses, start = [], 0
-        for row_len, vision_tokens, cached in zip(rows, tokens, forward_batch.encoder_cached):
-            if row_len and not cached:
+        for i, (row_len, vision_tokens, cached) in enumerate(zip(rows, tokens, stock_cached)):
+            if i in step_addresses:
+                addresses.append(step_addresses[i])
+            elif row_len and not cached:
                 slots = new_slots[start : start + row_len]
                 addresses.append(vision_addresses(slots, vision_tokens, addressing.band_stride))
                 start += row_len
-        if start != new_slots.numel():
+        if new_slots is not None and start != new_slots.numel():
             raise RuntimeError(
                 f"{new_slots.numel()} new encoder slots for encoder rows {rows} (cached {forward_batch.encoder_cached})"
             )
-        forward_batch.encoder_out_cache_loc = torch.cat(addresses)
+        forward_batch.encoder_out_cache_loc = torch.cat(addresses).to(
+            new_slots.device if new_slots is not None else addresses[0].device
+        )
     forward_batch.encoder_lens_cpu = tokens
     forward_batch.encoder_lens = torch.tensor(tokens, dtype=forward_batch.encoder_lens.dtype).to(
         forward_batch.encoder_lens.device, non_blocking=True
@@ -185,11 +200,11 @@ def vision_tokens_in_the_forward(forward_batch, cls, batch, model_runner, *args:
     return forward_batch
 
 
-def _vision_tokens(req, row_len: int) -> int:
-    if not row_len:
-        return 0
+def _vision_tokens(req, row_len: int, bands: int) -> int:
+    if not row_len or bands == 1:
+        return row_len
     vision_tokens = getattr(req.multimodal_inputs, VISION_TOKENS_ATTRIBUTE, None)
-    if vision_tokens is None or encoder_row_len(vision_tokens, _active_bands() or 1) != row_len:
+    if vision_tokens is None or encoder_row_len(vision_tokens, bands) != row_len:
         raise RuntimeError(
             f"request {req.rid}: {row_len} encoder slots but no matching vision-token count on its multimodal "
             "inputs (the MOSS-VL KV layout pads every request through pad_input_ids)"

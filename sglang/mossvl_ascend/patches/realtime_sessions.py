@@ -1,0 +1,516 @@
+"""MOSS-VL-Realtime sessions in the scheduler: one growing sequence per session whose text and vision K/V stay in
+the pool between steps (the HTTP side is :mod:`mossvl_ascend.realtime.engine`).
+
+A session is driven as a chain of ordinary requests, one per **step** (rid ``mossvl-realtime:<session>:<n>``):
+a step carries only its new rows (the token generated last, then the drained prompts and frames) and its new
+frames' pixels; it runs them as an extend over the session's kept K/V, then decodes until ``<|silence|>`` or the
+turn's token limit. When it finishes, its KV record (the ``req_to_token`` row and every slot) is kept for the next
+step instead of being freed, through the seams stock 0.5.23 made for its own streaming sessions
+(``StreamingSession.try_match_prefix`` / ``try_cache_finished_req`` / ``try_checkpoint``), which stock skips
+for requests without a stock session.
+
+The row is ``[encoder rows | text rows]``. New frames grow the encoder region in whole pages: new encoder slots are
+allocated and the row is rewritten ``[old encoder | new encoder | text]``; no K/V moves, and since the text shifts
+by whole pages every text slot keeps its page offset (page size 128, the NPU's, as at 1). Vision tokens are
+slot-major (token ``t``: band ``t % bands`` of encoder slot ``t // bands``), so appending never re-addresses one.
+Only the new frames go through the vision tower; the step's rows see every frame before them (cumulative frame
+ends); MRoPE positions continue from the session's last one.
+
+The realtime step never reads or writes the radix tree (each session pays its own prefill, as in
+sglang-omni-realtime); a ``:close`` request frees the session's slots and its row.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from sglang.srt.plugins.hook_registry import HookType
+
+from mossvl_ascend.attention.kv_layout import encoder_row_len, slot_major_vision_addresses
+from mossvl_ascend.attention.metadata import FRAME_ENDS_ATTRIBUTE
+from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
+
+logger = logging.getLogger(__name__)
+
+RID_PREFIX = "mossvl-realtime:"
+CLOSE_STEP = "close"
+# On a step's MultimodalInputs: the session it belongs to, the vision tokens before it, its new vision tokens.
+SESSION_ATTRIBUTE = "mossvl_realtime_session"
+
+
+def step_rid(session_id: str, step: int | str) -> str:
+    return f"{RID_PREFIX}{session_id}:{step}"
+
+
+def parse_step_rid(rid) -> tuple[str, str] | None:
+    """(session id, step) of a realtime step's rid, else None."""
+    if not isinstance(rid, str) or not rid.startswith(RID_PREFIX):
+        return None
+    session_id, _, step = rid[len(RID_PREFIX) :].rpartition(":")
+    return (session_id, step) if session_id else None
+
+
+def frame_block_positions(start: int, rows: int, cols: int) -> tuple[torch.Tensor, int]:
+    """MOSS-VL's XRoPE block for a frame opened at position ``start`` on a ``rows x cols`` merged grid: its vision
+    tokens at (start, start + y, start + x) row-major, then its separator and its ``<|image_pad|>`` text token at
+    ``start + max(rows, cols)``; the next text token takes one more."""
+    last = start + max(rows, cols)
+    ys = torch.arange(rows).repeat_interleave(cols)
+    xs = torch.arange(cols).repeat(rows)
+    block = torch.stack((torch.full_like(ys, start), start + ys, start + xs))
+    return torch.cat((block, torch.full((3, 1), last)), dim=1), last
+
+
+@dataclass
+class StepPlan:
+    """What one step adds: its rows (token ids), their positions and visible frames, its new vision tokens."""
+
+    rows: list[int]
+    positions: torch.Tensor  # int64 [3, rows]
+    visible_frames: torch.Tensor  # int32 [rows]
+    vision_positions: Optional[torch.Tensor]  # int64 [3, new vision tokens]
+    frame_lens: list[int]  # vision tokens (separator included) of each new frame
+    next_position: int
+
+
+def plan_step(
+    rows: list[int], grids: list[tuple[int, int]], image_token_id: int, start_position: int, frames_before: int
+) -> StepPlan:
+    """Positions and visibility of a step's rows. ``grids``: merged (rows, cols) of each new frame, in the order of
+    the ``<|image_pad|>`` tokens in ``rows``; a row sees every frame whose pad is at or before it."""
+    if sum(token == image_token_id for token in rows) != len(grids):
+        raise ValueError(f"{len(grids)} frames for a step with a different number of <|image_pad|> tokens")
+    positions, visible, vision, lens = [], [], [], []
+    position, frames, pending = start_position, frames_before, iter(grids)
+    for token in rows:
+        if token == image_token_id:
+            block, last = frame_block_positions(position, *next(pending))
+            vision.append(block)
+            lens.append(block.shape[1])
+            positions.append(last)
+            position, frames = last + 1, frames + 1
+        else:
+            positions.append(position)
+            position += 1
+        visible.append(frames)
+    return StepPlan(
+        rows=list(rows),
+        positions=torch.tensor(positions, dtype=torch.int64).expand(3, -1).clone(),
+        visible_frames=torch.tensor(visible, dtype=torch.int32),
+        vision_positions=torch.cat(vision, dim=1) if vision else None,
+        frame_lens=lens,
+        next_position=position,
+    )
+
+
+@dataclass
+class Stream:
+    """The scheduler's record of one session: what its kept K/V hold and where."""
+
+    session_id: str
+    slot: Any = None  # stock SessionSlot holding the kept KV record (None before the first step finished)
+    encoder_rows: int = 0  # row entries in front of the text (whole pages)
+    vision_tokens: int = 0
+    frame_ends: list[int] = field(default_factory=list)
+    text_ids: list[int] = field(default_factory=list)  # rows whose K/V are in the pool
+    pending: list[int] = field(default_factory=list)  # the last generated token (its K/V not computed yet)
+    positions: torch.Tensor = field(default_factory=lambda: torch.zeros(3, 0, dtype=torch.int64))
+    next_position: int = 0
+    pad_value: int = 0
+    step: Optional["RunningStep"] = None
+    # Counters (read by tests through the scheduler log and by the engine's usage): work actually done.
+    frames_encoded: int = 0
+    rows_extended: int = 0
+
+
+@dataclass
+class RunningStep:
+    rid: str
+    plan: StepPlan
+    encoder_rows: int
+    vision_tokens: int
+    prepared: bool = False  # its row rewrite ran (match_prefix runs again for every scheduling attempt)
+    new_vision_from: int = 0  # the first vision token this step writes
+
+
+_STREAMS: dict[str, Stream] = {}
+
+
+def stream_of(req) -> Stream | None:
+    parsed = parse_step_rid(getattr(req, "rid", None))
+    if parsed is None or parsed[1] == CLOSE_STEP:
+        return None
+    return _STREAMS.get(parsed[0])
+
+
+def _bands_and_page(scheduler_or_cache) -> tuple[int, int]:
+    from mossvl_ascend.patches.kv_pool import _active_bands
+
+    return _active_bands() or 1, scheduler_or_cache.token_to_kv_pool_allocator.page_size
+
+
+def _ceil_to(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook on ``Scheduler._add_request_to_queue``: a realtime step's request becomes the session's whole
+    sequence (``[encoder rows | every text row]``) with its multimodal inputs describing the session so far."""
+    parsed = parse_step_rid(req.rid)
+    if parsed is None or req.finished():
+        return
+    session_id, step = parsed
+    if step == CLOSE_STEP:
+        release_stream(session_id, scheduler.tree_cache)
+        req.set_finish_with_abort("realtime session closed")
+        return
+    stream = _STREAMS.setdefault(session_id, Stream(session_id))
+    if stream.step is not None:
+        req.set_finish_with_abort(f"realtime session {session_id} already runs step {stream.step.rid}")
+        return
+    mm = req.multimodal_inputs
+    own_encoder = (mm.num_image_tokens or 0) if mm is not None else 0
+    new_rows = list(req.origin_input_ids[own_encoder:])
+    grids = []
+    if mm is not None and mm.mm_items:
+        merge = scheduler.model_config.hf_config.vision_config.spatial_merge_size
+        grid = torch.as_tensor(mm.mm_items[0].grid_thw).reshape(-1, 3)
+        grids = [(int(h) // merge, int(w) // merge) for _, h, w in grid.tolist()]
+        stream.pad_value = mm.mm_items[0].pad_value
+    image_token_id = scheduler.model_config.hf_config.image_token_id
+    try:
+        plan = plan_step(stream.pending + new_rows, grids, image_token_id, stream.next_position, len(stream.frame_ends))
+    except ValueError as error:
+        req.set_finish_with_abort(str(error))
+        return
+    bands, page = _bands_and_page(scheduler)
+    vision_tokens = stream.vision_tokens + sum(plan.frame_lens)
+    needed = encoder_row_len(vision_tokens, bands)
+    encoder_rows = stream.encoder_rows
+    if needed > encoder_rows:
+        encoder_rows += _ceil_to(needed - encoder_rows, page)
+    text_rows = len(stream.text_ids) + len(plan.rows)
+    if encoder_rows + text_rows + req.sampling_params.max_new_tokens > scheduler.max_req_input_len:
+        req.set_finish_with_abort(
+            f"realtime session {session_id} is full: {encoder_rows} encoder and {text_rows} text rows plus "
+            f"{req.sampling_params.max_new_tokens} new tokens exceed the context ({scheduler.max_req_input_len})"
+        )
+        return
+    from sglang.srt.managers.schedule_batch import MultimodalInputs
+
+    if mm is None:
+        mm = MultimodalInputs(mm_items=[])
+        req.multimodal_inputs = mm
+    ids = array("q", [stream.pad_value] * encoder_rows)
+    ids.extend(stream.text_ids)
+    ids.extend(plan.rows)
+    req.origin_input_ids = ids
+    req.origin_input_ids_unpadded = ids
+    req.skip_radix_cache_insert = True
+    mm.num_image_tokens = encoder_rows or None
+    setattr(mm, "mossvl_vision_tokens", vision_tokens)
+    setattr(mm, SESSION_ATTRIBUTE, session_id)
+    frame_ends = list(stream.frame_ends)
+    for length in plan.frame_lens:
+        frame_ends.append((frame_ends[-1] if frame_ends else 0) + length)
+    setattr(mm, FRAME_ENDS_ATTRIBUTE, torch.tensor(frame_ends, dtype=torch.int64))
+    visible = torch.zeros(text_rows, dtype=torch.int32)
+    visible[len(stream.text_ids) :] = plan.visible_frames
+    mm.visible_frame_counts = visible
+    mm.mrope_positions = torch.cat((stream.positions, plan.positions), dim=1)
+    mm.mrope_position_delta = torch.tensor([[plan.next_position - text_rows]], dtype=torch.int64)
+    mm.vision_position_ids = plan.vision_positions
+    stream.step = RunningStep(req.rid, plan, encoder_rows, vision_tokens, new_vision_from=stream.vision_tokens)
+
+
+def match_step_prefix(original: Callable, session, params):
+    """AROUND ``StreamingSession.try_match_prefix``: a realtime step lends the session's record, its row
+    rewritten for the new frames' encoder pages; the tree is never consulted."""
+    req = params.req
+    stream = stream_of(req) if req is not None else None
+    if stream is None or stream.step is None or stream.step.rid != req.rid:
+        return original(session, params)
+    from sglang.srt.mem_cache.base_prefix_cache import MatchResult
+    from sglang.srt.session.streaming_session import SessionSlot
+
+    cache, step = session.cache, stream.step
+    if stream.slot is None:
+        return cache.tree_core.empty_match_result
+    slot: SessionSlot = stream.slot
+    if not step.prepared:
+        _grow_encoder(cache, stream, step)
+        step.prepared = True
+    req.kv = slot.kv
+    node = slot.virtual_node
+    return MatchResult(
+        device_prefix_len=slot.kv.kv_committed_len,
+        last_device_node=node,
+        last_host_node=node,
+        best_match_node=node,
+        cache_protected_len=0,
+    )
+
+
+def _grow_encoder(cache, stream: Stream, step: RunningStep) -> None:
+    """Rewrite the kept row ``[old encoder | new encoder | text]`` (new encoder slots in whole pages)."""
+    kv = stream.slot.kv
+    grow = step.encoder_rows - stream.encoder_rows
+    if grow <= 0:
+        return
+    new_slots = cache.token_to_kv_pool_allocator.alloc(grow)
+    if new_slots is None:
+        cache.evict_for_alloc(_evict_params(grow))
+        new_slots = cache.token_to_kv_pool_allocator.alloc(grow)
+    if new_slots is None:
+        raise MemoryError(f"no KV room for {grow} encoder slots of realtime session {stream.session_id}")
+    row = cache.req_to_token_pool.req_to_token[kv.req_pool_idx]
+    committed = kv.kv_committed_len
+    text = row[stream.encoder_rows : committed].clone()
+    row[stream.encoder_rows : step.encoder_rows] = new_slots.to(row.dtype)
+    row[step.encoder_rows : step.encoder_rows + text.numel()] = text
+    kv.kv_committed_len += grow
+    kv.kv_allocated_len = kv.kv_committed_len
+
+
+def _evict_params(tokens: int):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    return EvictParams(num_tokens=tokens)
+
+
+def keep_step_kv(original: Callable, session, req) -> bool:
+    """AROUND ``StreamingSession.try_cache_finished_req``: a finished step's record stays with its session (the
+    last generated token's K/V is computed by the next step); an aborted step ends the session and frees all."""
+    stream = stream_of(req)
+    if stream is None or stream.step is None or stream.step.rid != req.rid:
+        return original(session, req)
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.session.streaming_session import SessionSlot
+
+    cache, step = session.cache, stream.step
+    cache.unlock(req.lock)
+    req.lock = None
+    if isinstance(req.finished_reason, FINISH_ABORT) or not req.output_ids:
+        if stream.slot is None or stream.slot.kv is not req.kv:
+            stream.slot = SessionSlot(kv=req.detach_kv())
+        release_stream(stream.session_id, cache)
+        return True
+    if stream.slot is None:
+        stream.slot = SessionSlot(kv=req.kv)
+    req.detach_kv()
+    kv = stream.slot.kv
+    outputs = list(req.output_ids)
+    committed = step.encoder_rows + len(stream.text_ids) + len(step.plan.rows) + len(outputs) - 1
+    _, page = _bands_and_page(cache)
+    free_from = _ceil_to(committed, page)
+    if kv.kv_allocated_len > free_from:
+        cache.free_kv_row(kv, [(free_from, kv.kv_allocated_len)])
+    kv.kv_allocated_len = kv.kv_committed_len = committed
+    generated_positions = torch.arange(step.plan.next_position, step.plan.next_position + len(outputs) - 1)
+    stream.positions = torch.cat((stream.positions, step.plan.positions, generated_positions.expand(3, -1)), dim=1)
+    stream.next_position = step.plan.next_position + len(outputs) - 1
+    stream.text_ids.extend(step.plan.rows)
+    stream.text_ids.extend(outputs[:-1])
+    stream.pending = outputs[-1:]
+    stream.encoder_rows, stream.vision_tokens = step.encoder_rows, step.vision_tokens
+    for length in step.plan.frame_lens:
+        stream.frame_ends.append((stream.frame_ends[-1] if stream.frame_ends else 0) + length)
+    stream.frames_encoded += len(step.plan.frame_lens)
+    stream.rows_extended += len(step.plan.rows)
+    logger.info(
+        "realtime step %s: extended %d rows, %d new frames through the vision tower (%d vision tokens), "
+        "generated %d; session holds %d encoder + %d text rows",
+        req.rid,
+        len(step.plan.rows),
+        len(step.plan.frame_lens),
+        step.vision_tokens - step.new_vision_from,
+        len(outputs),
+        stream.encoder_rows,
+        len(stream.text_ids),
+    )
+    stream.step = None
+    return True
+
+
+def skip_step_checkpoint(original: Callable, session, req, *args: Any, **kwargs: Any) -> bool:
+    """AROUND ``StreamingSession.try_checkpoint``: a realtime step inserts nothing into the radix tree."""
+    if stream_of(req) is not None:
+        return True
+    return original(session, req, *args, **kwargs)
+
+
+def release_stream(session_id: str, cache) -> None:
+    """Free every slot and the row a session holds, and forget it."""
+    stream = _STREAMS.pop(session_id, None)
+    if stream is None or stream.slot is None or not stream.slot.kv.holds_kv:
+        return
+    kv = stream.slot.kv
+    freed = kv.kv_allocated_len
+    if freed:
+        cache.free_kv_row(kv, [(0, freed)])
+    cache.req_to_token_pool.free(stream.slot)
+    kv.mark_kv_released()
+    logger.info("realtime session %s closed: %d rows freed", session_id, freed)
+
+
+def step_vision_in_the_forward(forward_batch, batch, addressing) -> list[int] | None:
+    """Called by the KV-layout forward hook: per request, the vision tokens the forward sees; a realtime step's
+    new vision tokens are marked uncached and given their slot-major unit addresses. None: no realtime request."""
+    streams = [stream_of(req) for req in batch.reqs]
+    if not any(stream is not None and stream.step is not None for stream in streams):
+        return None
+    rows = list(forward_batch.encoder_lens_cpu)
+    tokens, slot_major = [], []
+    extend = forward_batch.forward_mode.is_extend()
+    new_addresses: dict[int, torch.Tensor] = {}
+    req_to_token = batch.req_to_token_pool.req_to_token
+    for i, (req, stream) in enumerate(zip(batch.reqs, streams)):
+        step = stream.step if stream is not None else None
+        if step is None or step.rid != req.rid:
+            tokens.append(None)
+            slot_major.append(False)
+            continue
+        tokens.append(step.vision_tokens)
+        slot_major.append(True)
+        if extend and step.vision_tokens > step.new_vision_from and not getattr(step, "encoded", False):
+            row = req_to_token[req.kv.req_pool_idx, : step.encoder_rows]
+            addresses = slot_major_vision_addresses(
+                row, step.vision_tokens, max(addressing.bands, 1), addressing.band_stride
+            )
+            new_addresses[i] = addresses[step.new_vision_from :]
+            forward_batch.encoder_cached[i] = False
+            step.encoded = True
+    forward_batch.mossvl_encoder_rows = rows
+    forward_batch.mossvl_slot_major = slot_major
+    forward_batch.mossvl_realtime_addresses = new_addresses
+    return tokens
+
+
+def with_realtime_records(records: dict, cache, *args: Any, **kwargs: Any) -> dict:
+    """AFTER ``UnifiedRadixCache.session_records``: the realtime sessions' kept records count as session-held (the
+    pool's leak check and ``/v1/loads`` see them as such, not as leaked)."""
+    kept = {RID_PREFIX + sid: stream.slot.kv for sid, stream in _STREAMS.items() if stream.slot is not None}
+    return {**records, **kept} if kept else records
+
+
+async def step_multimodal_inputs(original: Callable, processor, *args: Any, request_obj=None, **kwargs: Any):
+    """AROUND MOSS-VL's ``process_mm_data_async``: a realtime step's rows are token ids already (the session built
+    them) and its frames are patches already (``realtime.engine`` made them); the step's multimodal inputs carry
+    them as they are. The scheduler completes them (:func:`prepare_step_request`)."""
+    if parse_step_rid(getattr(request_obj, "rid", None)) is None:
+        return await original(processor, *args, request_obj=request_obj, **kwargs)
+    from sglang.srt.managers.schedule_batch import MultimodalProcessorOutput
+
+    from mossvl_ascend.realtime.engine import take_step_frames
+
+    ids = list(request_obj.input_ids)
+    frames = take_step_frames(request_obj.rid)
+    items = []
+    if frames is not None:
+        pixel_values, grid_thw = frames
+        items = processor._build_mm_items({"pixel_values": pixel_values, "grid_thw": grid_thw}, torch.tensor(ids))
+        items = processor._prepare_mm_items_for_transport(items)
+    placeholder = torch.arange(len(ids), dtype=torch.int64).expand(3, -1).clone()
+    return MultimodalProcessorOutput(
+        input_ids=ids,
+        mm_items=items,
+        im_token_id=processor.image_token_id,
+        mrope_positions=placeholder,
+        mrope_position_delta=torch.zeros(1, 1, dtype=torch.int64),
+    )
+
+
+PATCHES = (
+    Patch(
+        title="MOSS-VL-Realtime: a step's multimodal inputs are the session's token ids and patches",
+        target="sglang.srt.multimodal.processors.moss_vl.MossVLImageProcessor.process_mm_data_async",
+        kind=HookType.AROUND,
+        hook=step_multimodal_inputs,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "the HF processor would re-tokenize a step's text (the generated token in front of it may not survive "
+            "a decode round trip) and patchify its frames at the image budget, while the stream uses the video one"
+        ),
+        how=(
+            "for rid `mossvl-realtime:...`: the request's token ids as they are and the frames the session "
+            "patchified (handed over in this process by rid); positions are placeholders the scheduler replaces"
+        ),
+        upstream="not in sglang",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
+    Patch(
+        title="MOSS-VL-Realtime: a step request becomes its session's whole sequence",
+        target="sglang.srt.managers.scheduler.Scheduler._add_request_to_queue",
+        kind=HookType.BEFORE,
+        hook=prepare_step_request,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "a realtime step carries only its new rows and frames, but the scheduler and the model need the "
+            "session's sequence: its encoder rows, every text row, where each frame ends, the positions so far"
+        ),
+        how=(
+            "for rid `mossvl-realtime:<session>:<n>`: origin ids `[encoder rows | kept text | last generated token | "
+            "new rows]`, the encoder grown in whole pages for the new frames, multimodal inputs holding the new "
+            "frames' pixels with every frame's encoder end, per-row visible frames and MRoPE positions that "
+            "continue the session's; `:close` frees the session"
+        ),
+        upstream="sglang's streaming sessions copy a turn's multimodal inputs from the previous one (no new frames)",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
+    Patch(
+        title="MOSS-VL-Realtime: a step runs over its session's kept K/V",
+        target="sglang.srt.session.streaming_session.StreamingSession.try_match_prefix",
+        kind=HookType.AROUND,
+        hook=match_step_prefix,
+        platforms=ON_NPU_AND_CPU,
+        why="a step must extend only its new rows, over the K/V of everything before it",
+        how=(
+            "the step borrows the session's KV record; new encoder slots (whole pages) are allocated and the row "
+            "rewritten `[old encoder | new encoder | text]` once per step; the matched prefix is every kept row. "
+            "The first step matches nothing (the tree is not consulted: sessions share no prefix)"
+        ),
+        upstream="stock streaming sessions lend a record the same way, for decoder-only rows",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
+    Patch(
+        title="MOSS-VL-Realtime: a finished step's KV stays with its session",
+        target="sglang.srt.session.streaming_session.StreamingSession.try_cache_finished_req",
+        kind=HookType.AROUND,
+        hook=keep_step_kv,
+        platforms=ON_NPU_AND_CPU,
+        why="the next step extends the same sequence; freeing the K/V would force a re-prefill without pixels",
+        how=(
+            "the record is detached from the request and kept (committed: every row but the last generated token), "
+            "any whole page past it freed; the session's text, positions and frame ends advance. An aborted step "
+            "frees the whole session"
+        ),
+        upstream="stock streaming sessions keep a turn's record the same way",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
+    Patch(
+        title="MOSS-VL-Realtime: kept session KV counts as session-held",
+        target="sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.session_records",
+        kind=HookType.AFTER,
+        hook=with_realtime_records,
+        platforms=ON_NPU_AND_CPU,
+        why="the idle leak check and the pool metrics count KV outside the tree and the running batch as leaked",
+        how="the realtime sessions' kept KV records are added to the cache's session records",
+        upstream="stock streaming sessions report their records the same way",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
+    Patch(
+        title="MOSS-VL-Realtime: a step inserts nothing into the radix tree",
+        target="sglang.srt.session.streaming_session.StreamingSession.try_checkpoint",
+        kind=HookType.AROUND,
+        hook=skip_step_checkpoint,
+        platforms=ON_NPU_AND_CPU,
+        why="a session's row is rewritten when frames arrive, so no part of it may become tree-owned",
+        how="the checkpoint of a realtime step is a no-op (returns handled)",
+        upstream="not in sglang",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
+)

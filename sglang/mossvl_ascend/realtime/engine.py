@@ -1,0 +1,266 @@
+"""Realtime sessions on the running sglang engine (the HTTP process side; the scheduler side is
+:mod:`mossvl_ascend.patches.realtime_sessions`).
+
+A :class:`ServedSession` has the reference session's semantics (``moss_vl_reference.realtime_moss_vl``): the
+initial prefill is ``[system, user]`` by the chat template then the assistant opener; whatever arrives is drained
+in one segment, prompts first (each spliced as a user/assistant pair, then one ``<|silence|>`` opener), then the
+frames by timestamp (``<|vision_start|><|time_start|>{ts:.1f} seconds<|time_end|><|image_pad|><|vision_end|>``);
+generation masks every ``<|...|>`` control token but ``<|silence|>`` and stops a turn on it or at the turn's token
+limit, and the session parks until input arrives. Each segment is one engine step (one request whose rows are the
+segment, behind the token generated last); the scheduler keeps the K/V between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import re
+import sys
+import uuid
+from typing import Optional
+
+from mossvl_ascend.patches.realtime_sessions import CLOSE_STEP, step_rid
+from mossvl_ascend.realtime.session_api import (
+    CLOSED,
+    ERROR,
+    INTERRUPTED,
+    PROCESSED,
+    READY,
+    SILENCE,
+    TEXT,
+    TURN_DONE,
+    Frame,
+    Output,
+    RealtimeError,
+    SessionConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+SILENCE_TOKEN = "<|silence|>"
+CONTROL_TOKEN = re.compile(r"^<\|[^|]+\|>$")
+
+# Pixels of each step's new frames, from the session (this process) to the MOSS-VL processor hook (this process).
+_STEP_FRAMES: dict[str, tuple] = {}
+
+
+def take_step_frames(rid: str):
+    """(pixel_values, grid_thw) of a realtime step's new frames, or None (a step without frames)."""
+    return _STEP_FRAMES.pop(rid, None)
+
+
+def prompt_splice(prompt: str) -> str:
+    return f"<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def frame_markup(timestamp: float) -> str:
+    return f"<|vision_start|><|time_start|>{timestamp:.1f} seconds<|time_end|><|image_pad|><|vision_end|>"
+
+
+class ServedRealtimeEngine:
+    """Opens :class:`ServedSession` s on the tokenizer manager of this server."""
+
+    def __init__(self, tokenizer_manager_of):
+        self._tokenizer_manager_of = tokenizer_manager_of
+        self.sessions: dict[str, "ServedSession"] = {}
+
+    @property
+    def tokenizer_manager(self):
+        return self._tokenizer_manager_of()
+
+    def capabilities(self) -> dict:
+        return {"model": "moss-vl-realtime", "page_size": self.tokenizer_manager.server_args.page_size}
+
+    async def open(self, config: SessionConfig) -> "ServedSession":
+        manager = self.tokenizer_manager
+        architectures = getattr(manager.model_config.hf_config, "architectures", None) or []
+        if "MossVLForConditionalGeneration" not in architectures:
+            raise RealtimeError("unsupported_model", f"realtime sessions need a MOSS-VL model, not {architectures}")
+        session = ServedSession(self, config)
+        self.sessions[session.session_id] = session
+        session.start()
+        return session
+
+
+class ServedSession:
+    """One realtime stream on the engine (see the module docstring)."""
+
+    def __init__(self, engine: ServedRealtimeEngine, config: SessionConfig):
+        self.engine, self.config = engine, config
+        self.session_id = uuid.uuid4().hex[:16]
+        manager = engine.tokenizer_manager
+        self.processor = manager.mm_processor._processor
+        self.tokenizer = self.processor.tokenizer
+        self.silence_id = self.tokenizer.convert_tokens_to_ids(SILENCE_TOKEN)
+        control = {i for t, i in self.tokenizer.get_added_vocab().items() if CONTROL_TOKEN.match(t)}
+        vocab = manager.model_config.vocab_size
+        masked = sorted(control - {self.silence_id}) + list(range(len(self.tokenizer), vocab))
+        self.logit_bias = {str(token): float("-inf") for token in masked}
+        self.outputs: asyncio.Queue = asyncio.Queue()
+        self.prompts: list[tuple[str, Optional[int]]] = []
+        self.frames: list[Frame] = []
+        self.wake = asyncio.Event()
+        self.closing = False
+        self.steps = itertools.count()
+        self.turn_id = 0
+        self.generated: list[int] = []  # every token the model chose (tests compare it with the reference's)
+        self.task: Optional[asyncio.Task] = None
+
+    # ---- input (never blocks on the model)
+
+    def push_prompt(self, prompt: str, seq_no: Optional[int] = None) -> None:
+        if not prompt or not prompt.strip():
+            raise RealtimeError("invalid_request", "empty prompt")
+        self.prompts.append((prompt, seq_no))
+        self.wake.set()
+
+    def push_frame(self, frame: Frame, prompt: Optional[str] = None) -> None:
+        if prompt:
+            self.prompts.append((prompt, None))
+        self.frames.append(frame)
+        self.wake.set()
+
+    @property
+    def pending_inputs(self) -> int:
+        return len(self.prompts) + len(self.frames)
+
+    async def close(self) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        self.wake.set()
+        if self.task is not None:
+            await asyncio.gather(self.task, return_exceptions=True)
+        await self._finish_step_request(step_rid(self.session_id, CLOSE_STEP), [self.silence_id])
+        self.engine.sessions.pop(self.session_id, None)
+
+    # ---- the stream
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            rows, frames, seq_nos = self._initial_rows(), [], []
+            first = True
+            while not self.closing:
+                last = await self._step(rows, frames, seq_nos, ready=first)
+                first = False
+                self.outputs.put_nowait(Output(SILENCE if last == self.silence_id else TURN_DONE, turn_id=self.turn_id))
+                while not self.pending_inputs and not self.closing:
+                    self.wake.clear()
+                    await self.wake.wait()
+                if self.closing:
+                    break
+                rows, frames, seq_nos = self._drain()
+        except RealtimeError as error:
+            self.outputs.put_nowait(Output(ERROR, code=error.code, message=error.message, fatal=True))
+        except Exception as error:  # reported to the client; the session ends
+            logger.exception("realtime session %s failed", self.session_id)
+            self.outputs.put_nowait(Output(ERROR, code="internal_error", message=str(error), fatal=True))
+        finally:
+            self.outputs.put_nowait(Output(CLOSED))
+
+    def _initial_rows(self) -> list[int]:
+        module = sys.modules.get(type(self.processor).__module__)
+        default = getattr(module, "DEFAULT_REALTIME_SYSTEM_PROMPT", "")
+        messages = [
+            {"role": "system", "content": self.config.system_prompt or default},
+            {"role": "user", "content": self.config.prompt or ""},
+        ]
+        return self._encode(self.processor.apply_chat_template(messages, add_generation_prompt=True))
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _drain(self) -> tuple[list[int], list[Frame], list[int]]:
+        prompts, self.prompts = self.prompts, []
+        frames, self.frames = sorted(self.frames, key=lambda f: f.timestamp), []
+        text = "".join(prompt_splice(prompt) for prompt, _ in prompts)
+        if prompts:
+            text += SILENCE_TOKEN
+            self.turn_id += len(prompts)
+        text += "".join(frame_markup(frame.timestamp) for frame in frames)
+        seq_nos = [s for _, s in prompts if s is not None] + [f.seq_no for f in frames if f.seq_no is not None]
+        return self._encode(text), frames, seq_nos
+
+    def _patches(self, frames: list[Frame]):
+        import torch
+
+        image_processor = self.processor.image_processor
+        pixels, grids = [], []
+        for frame in frames:
+            values, grid = image_processor.patchify_frames(
+                [frame.image.convert("RGB")], image_processor.video_max_pixels
+            )
+            pixels.append(values)
+            grids.append(grid)
+        return torch.cat(pixels), torch.tensor(grids)
+
+    async def _step(self, rows: list[int], frames: list[Frame], seq_nos: list[int], ready: bool) -> int:
+        """One engine step: the rows (and frames) as an extend, then the turn's tokens. -> the last token."""
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        rid = step_rid(self.session_id, next(self.steps))
+        if frames:
+            _STEP_FRAMES[rid] = self._patches(frames)
+        request = GenerateReqInput(
+            rid=rid,
+            input_ids=rows,
+            sampling_params=self._sampling(),
+            stream=True,
+        )
+        seen, text = 0, ""
+        try:
+            async for chunk in self.engine.tokenizer_manager.generate_request(request, None):
+                ids = chunk.get("output_ids") or []
+                if seen == 0 and ids:
+                    if ready:
+                        self.outputs.put_nowait(Output(READY))
+                    for seq_no in seq_nos:
+                        self.outputs.put_nowait(Output(PROCESSED, seq_no=seq_no))
+                new, seen = ids[seen:], len(ids)
+                self.generated.extend(new)
+                text = self._emit_text(new, text)
+                finish = chunk.get("meta_info", {}).get("finish_reason")
+                if isinstance(finish, dict) and finish.get("type") == "abort":
+                    raise RealtimeError("session_aborted", finish.get("message") or "the engine aborted the session")
+        finally:
+            _STEP_FRAMES.pop(rid, None)
+        if not seen:
+            raise RealtimeError("session_aborted", f"step {rid} produced no token")
+        return self.generated[-1]
+
+    def _emit_text(self, new: list[int], text: str) -> str:
+        for token in new:
+            if token in (self.silence_id,):
+                continue
+            piece = self.tokenizer.decode([token])
+            if piece:
+                self.outputs.put_nowait(Output(TEXT, text=piece, turn_id=self.turn_id))
+        return text
+
+    def _sampling(self) -> dict:
+        return {
+            "max_new_tokens": self.config.max_new_tokens,
+            "temperature": self.config.temperature,
+            "top_p": self.config.top_p,
+            "stop_token_ids": [self.silence_id],
+            "logit_bias": self.logit_bias,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+
+    async def _finish_step_request(self, rid: str, rows: list[int]) -> None:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        request = GenerateReqInput(rid=rid, input_ids=rows, sampling_params={"max_new_tokens": 1}, stream=False)
+        try:
+            async for _ in self.engine.tokenizer_manager.generate_request(request, None):
+                pass
+        except Exception:  # the close request finishes as an abort by design
+            logger.debug("realtime session %s closed", self.session_id)
+
+
+__all__ = ["INTERRUPTED", "ServedRealtimeEngine", "ServedSession", "take_step_frames"]

@@ -1,0 +1,105 @@
+"""MOSS-VL-Realtime sessions on the sglang engine (`mossvl_ascend.realtime.engine` over the scheduler hooks of
+`mossvl_ascend.patches.realtime_sessions`), against the reference stream (`moss_vl_reference.realtime_moss_vl`).
+
+Oracle: the reference session driven by the same event script (each input pushed while the stream is parked, then
+run until it parks again), greedy, fp32; every token the served session chose must equal the reference's. The
+engine runs in this process (`sglang.Engine`: tokenizer manager here, scheduler in a child process), so the session
+is driven without the WebSocket layer (tested on its own in `test_realtime_protocol.py`).
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForCausalLM, AutoProcessor
+
+from moss_vl_reference.tiny_checkpoint import build_or_reuse
+
+TURN_LIMIT = 24
+WAIT = 120.0
+SCRIPT = (("frame", 0.0, 1), ("frame", 1.0, 2), ("prompt", "What moved?"), ("frame", 2.0, 3))
+
+
+def noise_image(seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def realtime_checkpoint():
+    return build_or_reuse("tiny-realtime")
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(realtime_checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(
+        realtime_checkpoint, trust_remote_code=True, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    processor = AutoProcessor.from_pretrained(realtime_checkpoint, trust_remote_code=True)
+    session = model.create_realtime_session(processor, max_new_tokens=TURN_LIMIT).start()
+    try:
+        assert session.wait_until_parked(WAIT)
+        for action in SCRIPT:
+            if action[0] == "frame":
+                session.push_frame(noise_image(action[2]), action[1])
+            else:
+                session.push_prompt(action[1])
+            assert session.wait_until_parked(WAIT)
+    finally:
+        session.close(WAIT)
+    return list(session.generated)
+
+
+async def served_tokens(engine) -> tuple[list[int], list[str]]:
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+    from mossvl_ascend.realtime.session_api import Frame, SessionConfig
+
+    session = await ServedRealtimeEngine(lambda: engine.tokenizer_manager).open(
+        SessionConfig(max_new_tokens=TURN_LIMIT)
+    )
+    kinds = []
+
+    async def settle():
+        while True:
+            output = await asyncio.wait_for(session.outputs.get(), WAIT)
+            kinds.append(output.kind)
+            assert output.kind not in ("error", "closed"), output
+            if output.kind in ("silence", "turn_done") and not session.pending_inputs:
+                return
+
+    await settle()
+    for action in SCRIPT:
+        if action[0] == "frame":
+            session.push_frame(Frame(noise_image(action[2]), action[1]))
+        else:
+            session.push_prompt(action[1])
+        await settle()
+    await session.close()
+    return list(session.generated), kinds
+
+
+def test_one_session_equals_the_reference_stream(realtime_checkpoint, reference_tokens):
+    import sglang
+
+    engine = sglang.Engine(
+        model_path=str(realtime_checkpoint),
+        trust_remote_code=True,
+        enable_multimodal=True,
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=4096,
+        page_size=1,
+        disable_overlap_schedule=True,
+        sleep_on_idle=True,
+    )
+    try:
+        tokens, kinds = engine.loop.run_until_complete(served_tokens(engine))
+    finally:
+        engine.shutdown()
+    silence = AutoProcessor.from_pretrained(
+        realtime_checkpoint, trust_remote_code=True
+    ).tokenizer.convert_tokens_to_ids("<|silence|>")
+    assert reference_tokens.count(silence) == len(SCRIPT) + 1, "every reference turn ends on <|silence|>"
+    assert tokens == reference_tokens
+    assert kinds[0] == "ready" and kinds.count("silence") == len(SCRIPT) + 1
