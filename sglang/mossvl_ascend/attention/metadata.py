@@ -85,8 +85,8 @@ class ForwardAttentionMetadata:
     device: torch.device
     # A request whose encoder row is not the pool's default (a realtime session's, growing in whole pages):
     # its encoder slots and whether its vision tokens are slot-major (``kv_layout.slot_major_vision_addresses``).
-    # None: ``addressing.row_len(encoder_len)`` slots, band-major.
-    encoder_rows: list[int] | None = None
+    # None (for the batch or one request): ``addressing.row_len(encoder_len)`` slots, band-major.
+    encoder_rows: list[int | None] | None = None
     slot_major: list[bool] | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -160,9 +160,11 @@ class ForwardAttentionMetadata:
 
     def encoder_row_lens(self, addressing) -> list[int]:
         """Encoder slots in front of each request's text."""
-        if self.encoder_rows is not None:
-            return self.encoder_rows
-        return [addressing.row_len(encoder_len) for encoder_len in self.encoder_lens]
+        explicit = self.encoder_rows or [None] * self.batch_size
+        return [
+            addressing.row_len(encoder_len) if rows is None else rows
+            for rows, encoder_len in zip(explicit, self.encoder_lens)
+        ]
 
     def is_slot_major(self, index: int) -> bool:
         return bool(self.slot_major and self.slot_major[index])
@@ -226,16 +228,17 @@ def metadata_of_forward_batch(forward_batch) -> ForwardAttentionMetadata:
     return metadata
 
 
-# Set on a ForwardBatch by the KV-layout hook when a request's encoder row is not the default (realtime sessions).
+# On a realtime step's MultimodalInputs (set by the realtime_sessions patch): its encoder row's slots. Such a
+# request's vision tokens are slot-major. Read from the forward's multimodal inputs, which every forward carries.
 ENCODER_ROWS_ATTRIBUTE = "mossvl_encoder_rows"
-SLOT_MAJOR_ATTRIBUTE = "mossvl_slot_major"
 
 
 def _with_forward_encoder_rows(metadata: ForwardAttentionMetadata, forward_batch) -> ForwardAttentionMetadata:
-    rows = getattr(forward_batch, ENCODER_ROWS_ATTRIBUTE, None)
-    if rows is None:
+    mm_inputs = forward_batch.mm_inputs or []
+    rows = [getattr(mm, ENCODER_ROWS_ATTRIBUTE, None) if mm is not None else None for mm in mm_inputs]
+    if not any(r is not None for r in rows):
         return metadata
-    return metadata.with_encoder_rows(rows, getattr(forward_batch, SLOT_MAJOR_ATTRIBUTE))
+    return metadata.with_encoder_rows(rows, [r is not None for r in rows])
 
 
 def _seq_lens_list(forward_batch) -> list[int]:

@@ -31,7 +31,7 @@ import torch
 from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.attention.kv_layout import encoder_row_len, slot_major_vision_addresses
-from mossvl_ascend.attention.metadata import FRAME_ENDS_ATTRIBUTE
+from mossvl_ascend.attention.metadata import ENCODER_ROWS_ATTRIBUTE, FRAME_ENDS_ATTRIBUTE
 from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,7 @@ class RunningStep:
     vision_tokens: int
     prepared: bool = False  # its row rewrite ran (match_prefix runs again for every scheduling attempt)
     new_vision_from: int = 0  # the first vision token this step writes
+    encoded: bool = False  # its new frames went through the vision tower (only its first extend writes them)
 
 
 _STREAMS: dict[str, Stream] = {}
@@ -214,6 +215,7 @@ def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
     mm.num_image_tokens = encoder_rows or None
     setattr(mm, "mossvl_vision_tokens", vision_tokens)
     setattr(mm, SESSION_ATTRIBUTE, session_id)
+    setattr(mm, ENCODER_ROWS_ATTRIBUTE, encoder_rows)
     frame_ends = list(stream.frame_ends)
     for length in plan.frame_lens:
         frame_ends.append((frame_ends[-1] if frame_ends else 0) + length)
@@ -357,37 +359,35 @@ def release_stream(session_id: str, cache) -> None:
     logger.info("realtime session %s closed: %d rows freed", session_id, freed)
 
 
-def step_vision_in_the_forward(forward_batch, batch, addressing) -> list[int] | None:
-    """Called by the KV-layout forward hook: per request, the vision tokens the forward sees; a realtime step's
-    new vision tokens are marked uncached and given their slot-major unit addresses. None: no realtime request."""
-    streams = [stream_of(req) for req in batch.reqs]
-    if not any(stream is not None and stream.step is not None for stream in streams):
+def step_vision_in_the_forward(forward_batch, batch, addressing) -> list[int | None] | None:
+    """Called by the KV-layout forward hook: per request, the vision tokens a realtime step's forward sees (None
+    for other requests), or None when the batch has no realtime step. A step's new vision tokens are marked
+    uncached (the vision tower runs on its new frames) and get their slot-major unit addresses, left in
+    ``forward_batch.mossvl_realtime_addresses`` (batch index -> addresses) for the hook's K/V write locations."""
+    if not any(parse_step_rid(rid) for rid in getattr(forward_batch, "rids", None) or ()):
         return None
-    rows = list(forward_batch.encoder_lens_cpu)
-    tokens, slot_major = [], []
-    extend = forward_batch.forward_mode.is_extend()
+    steps = [_running_step(req) for req in batch.reqs]
+    if not any(steps):
+        return None
     new_addresses: dict[int, torch.Tensor] = {}
-    req_to_token = batch.req_to_token_pool.req_to_token
-    for i, (req, stream) in enumerate(zip(batch.reqs, streams)):
-        step = stream.step if stream is not None else None
-        if step is None or step.rid != req.rid:
-            tokens.append(None)
-            slot_major.append(False)
-            continue
-        tokens.append(step.vision_tokens)
-        slot_major.append(True)
-        if extend and step.vision_tokens > step.new_vision_from and not getattr(step, "encoded", False):
+    if forward_batch.forward_mode.is_extend():
+        req_to_token = batch.req_to_token_pool.req_to_token
+        for i, (req, step) in enumerate(zip(batch.reqs, steps)):
+            if step is None or step.encoded or step.vision_tokens == step.new_vision_from:
+                continue
             row = req_to_token[req.kv.req_pool_idx, : step.encoder_rows]
-            addresses = slot_major_vision_addresses(
-                row, step.vision_tokens, max(addressing.bands, 1), addressing.band_stride
-            )
+            addresses = slot_major_vision_addresses(row, step.vision_tokens, addressing.bands, addressing.band_stride)
             new_addresses[i] = addresses[step.new_vision_from :]
             forward_batch.encoder_cached[i] = False
             step.encoded = True
-    forward_batch.mossvl_encoder_rows = rows
-    forward_batch.mossvl_slot_major = slot_major
     forward_batch.mossvl_realtime_addresses = new_addresses
-    return tokens
+    return [None if step is None else step.vision_tokens for step in steps]
+
+
+def _running_step(req) -> RunningStep | None:
+    stream = stream_of(req)
+    step = stream.step if stream is not None else None
+    return step if step is not None and step.rid == req.rid else None
 
 
 def with_realtime_records(records: dict, cache, *args: Any, **kwargs: Any) -> dict:
