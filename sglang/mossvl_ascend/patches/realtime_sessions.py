@@ -241,7 +241,9 @@ def match_step_prefix(original: Callable, session, params):
 
     cache, step = session.cache, stream.step
     if stream.slot is None:
-        return cache.tree_core.empty_match_result
+        # The first step: nothing kept yet; a later chunk of it continues its own row.
+        computed = req.kv.kv_committed_len if req.kv.holds_kv else 0
+        return cache.tree_core.empty_match_result._replace(device_prefix_len=computed)
     slot: SessionSlot = stream.slot
     if not step.prepared:
         _grow_encoder(cache, stream, step)

@@ -1,0 +1,79 @@
+"""Realtime event scripts and their oracle: the reference stream (`moss_vl_reference.realtime_moss_vl`) driven by
+the same script, each input pushed while the stream is parked, then run until it parks again (greedy, fp32).
+
+A script is a tuple of actions: ("frame", timestamp, seed), ("prompt", text), ("subtitle", text, timestamp, seed).
+The segment texts a step extends are written here as literal strings (not the engine's helpers).
+"""
+
+import numpy as np
+from PIL import Image
+
+TURN_LIMIT = 24
+WAIT = 300.0
+
+SCRIPTS = {
+    "frames_1fps_then_prompt": (("frame", 0.0, 1), ("frame", 1.0, 2), ("frame", 2.0, 3), ("prompt", "What moved?")),
+    "prompt_then_frames_2fps": (
+        ("prompt", "Tell me when a dot appears."),
+        ("frame", 0.0, 4),
+        ("frame", 0.5, 5),
+        ("frame", 1.0, 6),
+    ),
+    "prompts_between_frames": (
+        ("frame", 0.0, 7),
+        ("prompt", "What is it?"),
+        ("frame", 1.0, 8),
+        ("subtitle", "keep the change", 2.0, 9),
+    ),
+    "six_frames_2fps": tuple(("frame", 0.5 * i, 10 + i) for i in range(6)),
+}
+
+
+def noise_image(seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+
+
+def frame_string(ts: float) -> str:
+    return f"<|vision_start|><|time_start|>{ts:.1f} seconds<|time_end|><|image_pad|><|vision_end|>"
+
+
+def splice_string(prompt: str) -> str:
+    return f"<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<|silence|>"
+
+
+def segment_text(action) -> str:
+    """The text one action's step appends behind the token generated last."""
+    if action[0] == "frame":
+        return frame_string(action[1])
+    if action[0] == "prompt":
+        return splice_string(action[1])
+    return splice_string(action[1]) + frame_string(action[2])
+
+
+def frames_of(action) -> int:
+    return 0 if action[0] == "prompt" else 1
+
+
+def reference_generated(model, processor, script) -> list[int]:
+    """Every token the reference stream chose for ``script``."""
+    session = model.create_realtime_session(processor, max_new_tokens=TURN_LIMIT).start()
+    try:
+        assert session.wait_until_parked(WAIT)
+        for action in script:
+            if action[0] == "frame":
+                session.push_frame(noise_image(action[2]), action[1])
+            elif action[0] == "prompt":
+                session.push_prompt(action[1])
+            else:
+                session.push_prompt_frame(action[1], noise_image(action[3]), action[2])
+            assert session.wait_until_parked(WAIT)
+    finally:
+        session.close(WAIT)
+    return list(session.generated)
+
+
+def expected_deltas(tokenizer, tokens: list[int]) -> list[str]:
+    """The text pieces a served session sends for ``tokens``: one per generated token, <|silence|> hidden."""
+    silence = tokenizer.convert_tokens_to_ids("<|silence|>")
+    pieces = [tokenizer.decode([token]) for token in tokens if token != silence]
+    return [piece for piece in pieces if piece]

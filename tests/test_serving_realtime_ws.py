@@ -1,0 +1,114 @@
+"""Realtime sessions through `WS /v1/video/realtime` of a real `python -m sglang.launch_server` (CPU, fp32), each
+session's output against the reference stream driven by the same script (`support.realtime`).
+
+Per session: the text deltas equal the reference's tokens (one delta per generated token, <|silence|> hidden), one
+`response.turn.silence` per reference turn. Per step, from the scheduler's log: only the new frames went through the
+vision tower and the extend held only the step's rows (so a silent re-prefill fails). After the sessions close the KV
+pool is idle (`/v1/loads`). An ordinary OpenAI request runs alongside and still equals the reference model.
+"""
+
+import asyncio
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from moss_vl_reference.tiny_checkpoint import build_or_reuse
+from serving.launch import SglangServer
+from serving.realtime_client import RealtimeClient
+from support.realtime import (
+    SCRIPTS,
+    TURN_LIMIT,
+    expected_deltas,
+    frames_of,
+    noise_image,
+    reference_generated,
+    segment_text,
+)
+from support.serving import CASES, load_reference, openai_client, reference_ids, served_ids, wait_for_load
+
+pytestmark = pytest.mark.timeout(1800)
+
+STEP_LINE = re.compile(
+    r"realtime step mossvl-realtime:(\w+):(\d+): extended (\d+) rows, (\d+) new frames through the vision tower"
+)
+CONFIGS = {
+    "page128-radix": ["--page-size", "128"],
+    "page1-noradix-chunk8-mixed": ["--disable-radix-cache", "--chunked-prefill-size", "8", "--enable-mixed-chunk"],
+}
+# An image question with its own system turn: the realtime checkpoint's chat template adds its realtime system
+# prompt to a conversation without one, sglang's "moss-vl" template does not.
+ALONGSIDE = [{"role": "system", "content": "Answer briefly."}, *CASES["image_data_url"]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return build_or_reuse("tiny-realtime")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """Computed before any server starts (the reference runs alone on the CPU)."""
+    model, processor = load_reference(checkpoint)
+    streams = {name: reference_generated(model, processor, script) for name, script in SCRIPTS.items()}
+    ordinary = reference_ids(model, processor, ALONGSIDE)[1]
+    return {"streams": streams, "ordinary": ordinary, "tokenizer": processor.tokenizer}
+
+
+async def drive(url: str, script) -> RealtimeClient:
+    client = RealtimeClient(url)
+    await client.open(max_new_tokens=TURN_LIMIT, temperature=0.0)
+    await client.settle()
+    for action in script:
+        if action[0] == "frame":
+            seq_no = await client.frame(noise_image(action[2]), action[1])
+        elif action[0] == "prompt":
+            seq_no = await client.prompt(action[1])
+        else:
+            seq_no = await client.frame(noise_image(action[3]), action[2], prompt=action[1])
+        await client.settle(seq_no)
+    await client.close()
+    return client
+
+
+async def all_sessions(url: str) -> dict:
+    names = sorted(SCRIPTS)
+    clients = await asyncio.gather(*(drive(url, SCRIPTS[name]) for name in names))
+    return dict(zip(names, clients))
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config):
+    extra = ["--dtype", "float32", "--max-total-tokens", "6000", *CONFIGS[config]]
+    with SglangServer(checkpoint, extra_args=extra, name=f"realtime-{config}") as server:
+        url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
+        client, model_name = openai_client(server)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            ordinary = pool.submit(served_ids, client, model_name, ALONGSIDE)
+            sessions = asyncio.run(all_sessions(url))
+            ordinary = ordinary.result()
+        idle = wait_for_load(server, lambda load: load["num_used_tokens"] == 0, timeout_s=60)
+        log = server.log_path.read_text()
+    tokenizer = reference["tokenizer"]
+    for name, session in sessions.items():
+        tokens = reference["streams"][name]
+        assert session.texts() == expected_deltas(tokenizer, tokens), name
+        silence = tokenizer.convert_tokens_to_ids("<|silence|>")
+        assert session.count("response.turn.silence") == tokens.count(silence) == len(SCRIPTS[name]) + 1, name
+    assert ordinary["completion_ids"] == reference["ordinary"]
+    assert idle["num_used_tokens"] == 0, idle
+    steps = {}
+    for session_id, step, rows, frames in STEP_LINE.findall(log):
+        steps.setdefault(session_id, {})[int(step)] = (int(rows), int(frames))
+    assert len(steps) == len(SCRIPTS)
+    by_script = {}
+    for per_step in steps.values():
+        # Tell the sessions apart by their frames per step: each script's is different.
+        key = tuple(per_step[i][1] for i in sorted(per_step))[1:]
+        by_script[key] = per_step
+    for name, script in SCRIPTS.items():
+        per_step = by_script[tuple(frames_of(action) for action in script)]
+        for index, action in enumerate(script, start=1):
+            rows, frames = per_step[index]
+            new_rows = 1 + len(tokenizer(segment_text(action), add_special_tokens=False)["input_ids"])
+            assert (rows, frames) == (new_rows, frames_of(action)), f"{name} step {index}"
