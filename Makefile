@@ -12,7 +12,7 @@ DEVICE ?= cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint test catalog demo serve tiny-model bench bench-serving bench-realtime clean
+.PHONY: help setup lint test catalog demo demo-realtime serve tiny-model bench bench-serving bench-realtime clean
 
 help: ## list the targets with what each does
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -44,6 +44,9 @@ catalog: setup ## regenerate sglang/PATCHES.md from the plugin's patch records (
 
 demo: setup ## serve the embedded tiny MOSS-VL with sglang + plugin, ask about assets/demo.png, stop the server
 	$(CPU_ENV) $(PY) -m serving.demo
+
+demo-realtime: setup ## serve the tiny MOSS-VL-Realtime, stream a video through WS /v1/video/realtime with a prompt, print the rounds, stop
+	$(CPU_ENV) $(PY) -m serving.realtime_demo
 
 MODEL ?= $(shell $(CPU_ENV) $(PY) -m moss_vl_reference.tiny_checkpoint 2>/dev/null | tail -n 1)
 # serving.launch adds the CPU engine settings and --sleep-on-idle on DEVICE=cpu (and a core split per rank for

@@ -103,3 +103,32 @@ def test_one_session_equals_the_reference_stream(realtime_checkpoint, reference_
     assert reference_tokens.count(silence) == len(SCRIPT) + 1, "every reference turn ends on <|silence|>"
     assert tokens == reference_tokens
     assert kinds[0] == "ready" and kinds.count("silence") == len(SCRIPT) + 1
+
+
+class _Manager:
+    """A stand-in tokenizer manager with only what the checks at open read (no engine behind it)."""
+
+    def __init__(self, context_len: int, max_running_requests=None):
+        from types import SimpleNamespace
+
+        self.model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=["MossVLForConditionalGeneration"]))
+        self.context_len = context_len
+        self.server_args = SimpleNamespace(max_running_requests=max_running_requests)
+
+
+@pytest.mark.parametrize(
+    "pool, context, code",
+    [(4096, 8192, "insufficient_kv_capacity"), (None, 8192, "unsupported_model")],
+)
+def test_open_refuses_what_the_engine_cannot_carry(pool, context, code):
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+    from mossvl_ascend.realtime.session_api import RealtimeError, SessionConfig
+
+    manager = _Manager(context)
+    if code == "unsupported_model":
+        manager.model_config.hf_config.architectures = ["Qwen3ForCausalLM"]
+    engine = ServedRealtimeEngine(lambda: manager, lambda: {"max_total_num_tokens": pool})
+    with pytest.raises(RealtimeError) as refused:
+        asyncio.run(engine.open(SessionConfig()))
+    assert refused.value.code == code
+    assert not engine.sessions

@@ -79,7 +79,7 @@ async def all_sessions(url: str) -> dict:
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config):
-    extra = ["--dtype", "float32", "--max-total-tokens", "6000", *CONFIGS[config]]
+    extra = ["--dtype", "float32", "--max-total-tokens", "6000", "--context-length", "4096", *CONFIGS[config]]
     with SglangServer(checkpoint, extra_args=extra, name=f"realtime-{config}") as server:
         url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
         client, model_name = openai_client(server)
@@ -112,3 +112,53 @@ def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config
             rows, frames = per_step[index]
             new_rows = 1 + len(tokenizer(segment_text(action), add_special_tokens=False)["input_ids"])
             assert (rows, frames) == (new_rows, frames_of(action)), f"{name} step {index}"
+
+
+async def faults(url: str, script) -> dict:
+    """Three sessions (the cap), a fourth refused; one disconnects right after a frame; one gets bad inputs
+    between its script's steps and must still equal the reference."""
+    keep = [RealtimeClient(url) for _ in range(3)]
+    for client in keep:
+        await client.open(max_new_tokens=TURN_LIMIT, temperature=0.0)
+        await client.settle()
+    refused = RealtimeClient(url)
+    refusal = None
+    try:
+        await refused.open(max_new_tokens=TURN_LIMIT)
+    except RuntimeError as error:
+        refusal = str(error)
+    await refused.close()
+    dropped = keep.pop()
+    await dropped.frame(noise_image(99), 0.0)
+    await dropped.close()  # disconnect while its step runs (or just after)
+    victim, bystander = keep
+    errors = []
+    for index, action in enumerate(script):
+        if index == 1:
+            await victim.send({"type": "input.frame", "seq_no": victim.next_seq_no + 5, "timestamp": 9.0})
+            errors.append(await victim.wait_for("error", start=len(victim.events) - 1))
+            await victim.send({"type": "input.frame", "seq_no": victim.next_seq_no, "timestamp": -1.0})
+            errors.append(await victim.wait_for("error", start=len(victim.events) - 1))
+            await victim.send({"type": "no.such.event"})
+            errors.append(await victim.wait_for("error", start=len(victim.events) - 1))
+        seq_no = await victim.frame(noise_image(action[2]), action[1])
+        await victim.settle(seq_no)
+    await victim.close()
+    await bystander.close()
+    return {"refusal": refusal, "errors": errors, "victim": victim, "dropped": dropped}
+
+
+def test_refusal_disconnect_and_bad_inputs(checkpoint, reference):
+    script = SCRIPTS["six_frames_2fps"]
+    extra = ["--dtype", "float32", "--max-total-tokens", "6000", "--context-length", "4096"]
+    with SglangServer(checkpoint, extra_args=[*extra, "--max-running-requests", "3"], name="realtime-faults") as server:
+        url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
+        result = asyncio.run(faults(url, script))
+        idle = wait_for_load(server, lambda load: load["num_used_tokens"] == 0, timeout_s=60)
+        log = server.log_path.read_text()
+    assert result["refusal"] is not None and "session_capacity_exceeded" in result["refusal"]
+    assert [error["code"] for error in result["errors"]] == ["invalid_request"] * 3
+    tokens = reference["streams"]["six_frames_2fps"]
+    assert result["victim"].texts() == expected_deltas(reference["tokenizer"], tokens)
+    assert idle["num_used_tokens"] == 0, idle
+    assert log.count("realtime session") >= 3 and "closed:" in log

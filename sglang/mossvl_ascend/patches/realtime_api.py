@@ -26,7 +26,8 @@ def mount_realtime_api(*args: Any, **kwargs: Any) -> None:
     from mossvl_ascend.realtime.engine import ServedRealtimeEngine
     from mossvl_ascend.realtime.websocket import mount
 
-    mount(http_server.app, ServedRealtimeEngine(lambda: http_server._global_state.tokenizer_manager))
+    state = lambda: http_server._global_state  # noqa: E731  (set once the server has started)
+    mount(http_server.app, ServedRealtimeEngine(lambda: state().tokenizer_manager, lambda: state().scheduler_info))
     _MOUNTED["app"] = True
     logger.info("MOSS-VL realtime API mounted: WS /v1/video/realtime, GET /v1/video/realtime/capabilities")
 

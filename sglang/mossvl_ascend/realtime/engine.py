@@ -59,10 +59,12 @@ def frame_markup(timestamp: float) -> str:
 
 
 class ServedRealtimeEngine:
-    """Opens :class:`ServedSession` s on the tokenizer manager of this server."""
+    """Opens :class:`ServedSession` s on the tokenizer manager of this server. ``scheduler_info_of``: the
+    scheduler's start-up report (pool size, request cap), for the checks at open."""
 
-    def __init__(self, tokenizer_manager_of):
+    def __init__(self, tokenizer_manager_of, scheduler_info_of=dict):
         self._tokenizer_manager_of = tokenizer_manager_of
+        self._scheduler_info_of = scheduler_info_of
         self.sessions: dict[str, "ServedSession"] = {}
 
     @property
@@ -77,10 +79,26 @@ class ServedRealtimeEngine:
         architectures = getattr(manager.model_config.hf_config, "architectures", None) or []
         if "MossVLForConditionalGeneration" not in architectures:
             raise RealtimeError("unsupported_model", f"realtime sessions need a MOSS-VL model, not {architectures}")
+        self._check_capacity(manager)
         session = ServedSession(self, config)
         self.sessions[session.session_id] = session
         session.start()
         return session
+
+    def _check_capacity(self, manager) -> None:
+        """Refuse a session the engine could not carry to a full context, or one past the request cap (a parked
+        session still holds its KV and a request slot)."""
+        info = self._scheduler_info_of() or {}
+        pool, context = info.get("max_total_num_tokens"), manager.context_len
+        if pool is not None and pool < context:
+            raise RealtimeError(
+                "insufficient_kv_capacity",
+                f"the KV pool holds {pool} tokens, fewer than one full context ({context}): start the server with a "
+                "smaller --context-length or a larger --max-total-tokens / --mem-fraction-static",
+            )
+        cap = manager.server_args.max_running_requests
+        if cap is not None and len(self.sessions) >= cap:
+            raise RealtimeError("session_capacity_exceeded", f"{len(self.sessions)} realtime sessions already open")
 
 
 class ServedSession:
@@ -105,6 +123,7 @@ class ServedSession:
         self.steps = itertools.count()
         self.turn_id = 0
         self.generated: list[int] = []  # every token the model chose (tests compare it with the reference's)
+        self.running_rid: Optional[str] = None
         self.task: Optional[asyncio.Task] = None
 
     # ---- input (never blocks on the model)
@@ -126,10 +145,13 @@ class ServedSession:
         return len(self.prompts) + len(self.frames)
 
     async def close(self) -> None:
+        """End the session: a running step is aborted (its KV freed with the session's), then every slot freed."""
         if self.closing:
             return
         self.closing = True
         self.wake.set()
+        if self.running_rid is not None:
+            self.engine.tokenizer_manager.abort_request(rid=self.running_rid)
         if self.task is not None:
             await asyncio.gather(self.task, return_exceptions=True)
         await self._finish_step_request(step_rid(self.session_id, CLOSE_STEP), [self.silence_id])
@@ -150,7 +172,12 @@ class ServedSession:
                 self.outputs.put_nowait(Output(SILENCE if last == self.silence_id else TURN_DONE, turn_id=self.turn_id))
                 while not self.pending_inputs and not self.closing:
                     self.wake.clear()
-                    await self.wake.wait()
+                    try:
+                        await asyncio.wait_for(self.wake.wait(), self.config.parked_timeout_s)
+                    except asyncio.TimeoutError:
+                        raise RealtimeError(
+                            "parked_request_timeout", f"no input for {self.config.parked_timeout_s} s while parked"
+                        ) from None
                 if self.closing:
                     break
                 rows, frames, seq_nos = self._drain()
@@ -212,6 +239,7 @@ class ServedSession:
             stream=True,
         )
         seen, text = 0, ""
+        self.running_rid = rid
         try:
             async for chunk in self.engine.tokenizer_manager.generate_request(request, None):
                 ids = chunk.get("output_ids") or []
@@ -227,6 +255,7 @@ class ServedSession:
                 if isinstance(finish, dict) and finish.get("type") == "abort":
                     raise RealtimeError("session_aborted", finish.get("message") or "the engine aborted the session")
         finally:
+            self.running_rid = None
             _STEP_FRAMES.pop(rid, None)
         if not seen:
             raise RealtimeError("session_aborted", f"step {rid} produced no token")

@@ -31,6 +31,7 @@ class SessionConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     ignore_eos: bool = False
+    parked_timeout_s: Optional[float] = None  # a parked session (nothing to say, no input) ends after this long
 
 
 @dataclass

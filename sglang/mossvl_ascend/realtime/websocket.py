@@ -228,6 +228,7 @@ class _Connection:
             temperature=event.temperature,
             top_p=event.top_p,
             ignore_eos=event.benchmark_ignore_eos,
+            parked_timeout_s=self.limits.parked_request_timeout_s,
             **extra,
         )
 
