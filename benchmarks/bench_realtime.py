@@ -77,7 +77,8 @@ PROMPT = "What changed in the video?"
 PROMPT_AFTER = 2  # the prompt follows the third frame
 TOLERANCE = 0.5  # of a frame interval, on top of one interval (see "keeps up")
 DRAIN_S = 120.0  # after the last push: the longest wait for the backlog to be processed
-MAX_TOTAL_TOKENS = 32768
+# The pool must hold one full context per the engine's open check; 8192 is far more than a stream here grows to.
+SERVER_ARGS = ["--dtype", "float32", "--max-total-tokens", "32768", "--context-length", "8192"]
 CONTROL_PIECE = re.compile(r"^<\|[^|]+\|>$")
 
 
@@ -201,7 +202,9 @@ def reference_runs(checkpoint: Path, args, frames_of) -> list[Run]:
         checkpoint, trust_remote_code=True, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
     processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
-    reference_run(model, processor, args, max(args.fps), PROMPT_AFTER + 2)  # warm-up
+    warm_up = reference_run(model, processor, args, max(args.fps), PROMPT_AFTER + 2)
+    if warm_up.failed:
+        raise RuntimeError(f"the reference warm-up session failed: {warm_up.failed[0]}")
     runs = []
     for fps in args.fps:
         runs.append(reference_run(model, processor, args, fps, frames_of(fps)))
@@ -299,11 +302,12 @@ def server_peak_mib(server: SglangServer) -> float:
 
 
 def engine_runs(checkpoint: Path, args, frames_of) -> list[Run]:
-    extra = ["--dtype", "float32", "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
     runs = []
-    with SglangServer(checkpoint, extra_args=extra, name="bench-realtime") as server:
+    with SglangServer(checkpoint, extra_args=SERVER_ARGS, name="bench-realtime") as server:
         logger.info("server up in %.1f s (log: %s)", server.startup_seconds, server.log_path)
-        engine_run(server, args, 1, max(args.fps), PROMPT_AFTER + 2)  # warm-up
+        warm_up = engine_run(server, args, 1, max(args.fps), PROMPT_AFTER + 2)
+        if warm_up.failed:
+            raise RuntimeError(f"the warm-up session failed: {warm_up.failed[0]} (log: {server.log_path})")
         for count in args.sessions:
             for fps in args.fps:
                 runs.append(engine_run(server, args, count, fps, frames_of(fps)))

@@ -37,6 +37,8 @@ from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
 logger = logging.getLogger(__name__)
 
 RID_PREFIX = "mossvl-realtime:"
+# The abort message that asks a running step to end at its next token, keeping its KV (barge-in).
+INTERRUPT_MESSAGE = "mossvl-realtime-interrupt"
 CLOSE_STEP = "close"
 # On a step's MultimodalInputs: the session it belongs to, the vision tokens before it, its new vision tokens.
 SESSION_ATTRIBUTE = "mossvl_realtime_session"
@@ -392,6 +394,20 @@ def _running_step(req) -> RunningStep | None:
     return step if step is not None and step.rid == req.rid else None
 
 
+def interrupt_step(original: Callable, scheduler, recv_req, *args: Any, **kwargs: Any):
+    """AROUND ``Scheduler.abort_request``: an abort carrying :data:`INTERRUPT_MESSAGE` ends a running realtime
+    step at its next token as a normal finish (its KV stays with the session); any other abort is stock's."""
+    if getattr(recv_req, "abort_message", None) != INTERRUPT_MESSAGE or parse_step_rid(recv_req.rid) is None:
+        return original(scheduler, recv_req, *args, **kwargs)
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    for req in scheduler.running_batch.reqs:
+        if req.rid == recv_req.rid and req.output_ids and not req.finished():
+            req.to_finish = FINISH_LENGTH(length=len(req.output_ids) + 1)
+            logger.info("realtime step %s interrupted after %d tokens", req.rid, len(req.output_ids))
+    return None
+
+
 def with_realtime_records(records: dict, cache, *args: Any, **kwargs: Any) -> dict:
     """AFTER ``UnifiedRadixCache.session_records``: the realtime sessions' kept records count as session-held (the
     pool's leak check and ``/v1/loads`` see them as such, not as leaked)."""
@@ -491,6 +507,24 @@ PATCHES = (
             "frees the whole session"
         ),
         upstream="stock streaming sessions keep a turn's record the same way",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
+    Patch(
+        title="MOSS-VL-Realtime: an interrupt ends a running step at its next token, keeping its KV",
+        target="sglang.srt.managers.scheduler.Scheduler.abort_request",
+        kind=HookType.AROUND,
+        hook=interrupt_step,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "input that arrives while a turn runs is drained after the next token (a prompt barges in); an abort "
+            "would free the session's KV, which cannot be rebuilt without the pixels"
+        ),
+        how=(
+            "an AbortReq for a realtime step rid whose `abort_message` is the interrupt marker sets the running "
+            "request's `to_finish` to a length finish: it ends after its next token like any finished step. Other "
+            "aborts (and a step still waiting) go to stock"
+        ),
+        upstream="not in sglang",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
     ),
     Patch(

@@ -20,7 +20,7 @@ import sys
 import uuid
 from typing import Optional
 
-from mossvl_ascend.patches.realtime_sessions import CLOSE_STEP, step_rid
+from mossvl_ascend.patches.realtime_sessions import CLOSE_STEP, INTERRUPT_MESSAGE, step_rid
 from mossvl_ascend.realtime.session_api import (
     CLOSED,
     ERROR,
@@ -165,22 +165,26 @@ class ServedSession:
     async def _run(self) -> None:
         try:
             rows, frames, seq_nos = self._initial_rows(), [], []
-            first = True
+            first, turn_tokens = True, 0
             while not self.closing:
-                last = await self._step(rows, frames, seq_nos, ready=first)
-                first = False
-                self.outputs.put_nowait(Output(SILENCE if last == self.silence_id else TURN_DONE, turn_id=self.turn_id))
-                while not self.pending_inputs and not self.closing:
-                    self.wake.clear()
-                    try:
-                        await asyncio.wait_for(self.wake.wait(), self.config.parked_timeout_s)
-                    except asyncio.TimeoutError:
-                        raise RealtimeError(
-                            "parked_request_timeout", f"no input for {self.config.parked_timeout_s} s while parked"
-                        ) from None
+                last, generated, interrupted = await self._step(
+                    rows, frames, seq_nos, ready=first, allowance=self.config.max_new_tokens - turn_tokens
+                )
+                first, turn_tokens = False, turn_tokens + generated
+                idle = last == self.silence_id or turn_tokens >= self.config.max_new_tokens
+                if idle and not interrupted:
+                    kind = SILENCE if last == self.silence_id else TURN_DONE
+                    self.outputs.put_nowait(Output(kind, turn_id=self.turn_id))
+                    await self._wait_for_input()
                 if self.closing:
                     break
+                barge_in = bool(self.prompts) and not idle
+                turn_id = self.turn_id
                 rows, frames, seq_nos = self._drain()
+                if barge_in:
+                    self.outputs.put_nowait(Output(INTERRUPTED, turn_id=turn_id, next_turn_id=self.turn_id))
+                if idle or self.turn_id != turn_id:
+                    turn_tokens = 0
         except RealtimeError as error:
             self.outputs.put_nowait(Output(ERROR, code=error.code, message=error.message, fatal=True))
         except Exception as error:  # reported to the client; the session ends
@@ -188,6 +192,17 @@ class ServedSession:
             self.outputs.put_nowait(Output(ERROR, code="internal_error", message=str(error), fatal=True))
         finally:
             self.outputs.put_nowait(Output(CLOSED))
+
+    async def _wait_for_input(self) -> None:
+        """Parked: nothing to say and nothing pending; no engine work until input arrives (or the timeout)."""
+        while not self.pending_inputs and not self.closing:
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.config.parked_timeout_s)
+            except asyncio.TimeoutError:
+                raise RealtimeError(
+                    "parked_request_timeout", f"no input for {self.config.parked_timeout_s} s while parked"
+                ) from None
 
     def _initial_rows(self) -> list[int]:
         module = sys.modules.get(type(self.processor).__module__)
@@ -225,23 +240,24 @@ class ServedSession:
             grids.append(grid)
         return torch.cat(pixels), torch.tensor(grids)
 
-    async def _step(self, rows: list[int], frames: list[Frame], seq_nos: list[int], ready: bool) -> int:
-        """One engine step: the rows (and frames) as an extend, then the turn's tokens. -> the last token."""
-        from sglang.srt.managers.io_struct import GenerateReqInput
+    async def _step(
+        self, rows: list[int], frames: list[Frame], seq_nos: list[int], ready: bool, allowance: int
+    ) -> tuple[int, int, bool]:
+        """One engine step: the rows (and frames) as an extend, then up to ``allowance`` tokens; input arriving
+        meanwhile interrupts it at the next token. -> (the last token, tokens generated, interrupted)."""
+        from sglang.srt.managers.io_struct import AbortReq, GenerateReqInput
 
         rid = step_rid(self.session_id, next(self.steps))
         if frames:
             _STEP_FRAMES[rid] = self._patches(frames)
         request = GenerateReqInput(
-            rid=rid,
-            input_ids=rows,
-            sampling_params=self._sampling(),
-            stream=True,
+            rid=rid, input_ids=rows, sampling_params=self._sampling(max(1, allowance)), stream=True
         )
-        seen, text = 0, ""
+        seen, interrupted = 0, False
         self.running_rid = rid
+        manager = self.engine.tokenizer_manager
         try:
-            async for chunk in self.engine.tokenizer_manager.generate_request(request, None):
+            async for chunk in manager.generate_request(request, None):
                 ids = chunk.get("output_ids") or []
                 if seen == 0 and ids:
                     if ready:
@@ -250,29 +266,33 @@ class ServedSession:
                         self.outputs.put_nowait(Output(PROCESSED, seq_no=seq_no))
                 new, seen = ids[seen:], len(ids)
                 self.generated.extend(new)
-                text = self._emit_text(new, text)
+                self._emit_text(new)
                 finish = chunk.get("meta_info", {}).get("finish_reason")
                 if isinstance(finish, dict) and finish.get("type") == "abort":
                     raise RealtimeError("session_aborted", finish.get("message") or "the engine aborted the session")
+                if finish is None and self.pending_inputs and not interrupted:
+                    manager._dispatch_to_scheduler(AbortReq(rid=rid, abort_message=INTERRUPT_MESSAGE))
+                    interrupted = True
         finally:
             self.running_rid = None
             _STEP_FRAMES.pop(rid, None)
         if not seen:
             raise RealtimeError("session_aborted", f"step {rid} produced no token")
-        return self.generated[-1]
+        last = self.generated[-1]
+        # An interrupt that lost the race with the turn's own end (silence, the limit) changed nothing.
+        interrupted = interrupted and last != self.silence_id and seen < allowance
+        return last, seen, interrupted
 
-    def _emit_text(self, new: list[int], text: str) -> str:
+    def _emit_text(self, new: list[int]) -> None:
+        """One text delta per generated token (its own decode), <|silence|> hidden."""
         for token in new:
-            if token in (self.silence_id,):
-                continue
-            piece = self.tokenizer.decode([token])
+            piece = self.tokenizer.decode([token]) if token != self.silence_id else ""
             if piece:
                 self.outputs.put_nowait(Output(TEXT, text=piece, turn_id=self.turn_id))
-        return text
 
-    def _sampling(self) -> dict:
+    def _sampling(self, max_new_tokens: int) -> dict:
         return {
-            "max_new_tokens": self.config.max_new_tokens,
+            "max_new_tokens": max_new_tokens,
             "temperature": self.config.temperature,
             "top_p": self.config.top_p,
             "stop_token_ids": [self.silence_id],
@@ -292,4 +312,4 @@ class ServedSession:
             logger.debug("realtime session %s closed", self.session_id)
 
 
-__all__ = ["INTERRUPTED", "ServedRealtimeEngine", "ServedSession", "take_step_frames"]
+__all__ = ["ServedRealtimeEngine", "ServedSession", "take_step_frames"]

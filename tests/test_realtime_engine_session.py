@@ -1,0 +1,129 @@
+"""The engine session's turn logic (`mossvl_ascend.realtime.engine.ServedSession`) and the scheduler's interrupt
+hook, each against a labelled stand-in of the other side (the served tests cannot time a barge-in: the tiny
+checkpoint's turns end on <|silence|> within a few tokens).
+
+STAND-IN: `StreamingManager` plays sglang's tokenizer manager: it streams a scripted token list for each step
+request, one token per `TOKEN_S`, and ends a step after the next token once it receives the interrupt abort (what
+the scheduler hook makes the real engine do). Oracle: the reference session's rules (module docstring of
+`moss_vl_reference.realtime_moss_vl`): input arriving mid-turn is drained after the next token; a prompt closes
+the turn (a new turn with a fresh token allowance), a frame does not (the allowance continues).
+"""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoProcessor
+
+from moss_vl_reference.tiny_checkpoint import build_or_reuse
+from mossvl_ascend.patches.realtime_sessions import INTERRUPT_MESSAGE, interrupt_step, step_rid
+from support.realtime import noise_image, splice_string
+
+TOKEN_S = 0.02
+LIMIT = 12
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return AutoProcessor.from_pretrained(build_or_reuse("tiny-realtime"), trust_remote_code=True)
+
+
+class StreamingManager:
+    """STAND-IN for sglang's TokenizerManager (see the module docstring)."""
+
+    def __init__(self, processor, turns: list[list[int]]):
+        self.mm_processor = SimpleNamespace(_processor=processor)
+        self.model_config = SimpleNamespace(
+            hf_config=SimpleNamespace(architectures=["MossVLForConditionalGeneration"]),
+            vocab_size=len(processor.tokenizer),
+        )
+        self.context_len = 4096
+        self.server_args = SimpleNamespace(max_running_requests=None)
+        self.turns, self.requests, self.interrupts = list(turns), [], set()
+
+    def _dispatch_to_scheduler(self, request):
+        assert request.abort_message == INTERRUPT_MESSAGE
+        self.interrupts.add(request.rid)
+
+    def abort_request(self, rid):
+        self.interrupts.add(rid)
+
+    async def generate_request(self, request, _):
+        self.requests.append(request)
+        tokens = self.turns.pop(0) if self.turns else [0]
+        limit = request.sampling_params["max_new_tokens"]
+        ids, stop_after = [], None
+        for token in tokens[:limit]:
+            await asyncio.sleep(TOKEN_S)
+            ids.append(token)
+            if stop_after is None and request.rid in self.interrupts:
+                stop_after = len(ids)  # the token generated after the interrupt arrived is the last
+            last = stop_after is not None or len(ids) == min(len(tokens), limit)
+            yield {"output_ids": list(ids), "meta_info": {"finish_reason": {"type": "length"} if last else None}}
+            if last:
+                return
+
+
+async def run_barge_in(processor, mid_turn_input: str):
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+    from mossvl_ascend.realtime.session_api import Frame, SessionConfig
+
+    tokenizer = processor.tokenizer
+    silence = tokenizer.convert_tokens_to_ids("<|silence|>")
+    words = tokenizer("one two three four five six seven eight nine ten", add_special_tokens=False)["input_ids"]
+    manager = StreamingManager(processor, [words + [silence], [words[0], silence]])
+    session = await ServedRealtimeEngine(lambda: manager).open(SessionConfig(max_new_tokens=LIMIT))
+    kinds = []
+    while True:
+        output = await asyncio.wait_for(session.outputs.get(), 30)
+        kinds.append((output.kind, output.turn_id, output.next_turn_id))
+        if output.kind == "text" and len([k for k in kinds if k[0] == "text"]) == 2:
+            if mid_turn_input == "prompt":
+                session.push_prompt("Stop there.", seq_no=0)
+            else:
+                session.push_frame(Frame(noise_image(1), 0.0, seq_no=0))
+        if output.kind in ("silence", "turn_done") and len(manager.requests) == 2:
+            break
+    await session.close()
+    return manager, kinds, words, silence
+
+
+def test_a_prompt_mid_turn_barges_in_at_the_next_token(processor):
+    manager, kinds, words, silence = asyncio.run(run_barge_in(processor, "prompt"))
+    first, second = manager.requests[:2]
+    assert first.rid in manager.interrupts
+    texts_in_first_turn = [k for k in kinds if k[0] == "text" and k[1] == 0]
+    assert 2 <= len(texts_in_first_turn) < len(words), "the turn ended early, after the token following the input"
+    assert ("interrupted", 0, 1) in kinds
+    names = [k[0] for k in kinds]
+    assert names.index("interrupted") < names.index("processed"), "the turn closes before the prompt's step runs"
+    expected_rows = processor.tokenizer(splice_string("Stop there."), add_special_tokens=False)["input_ids"]
+    assert list(second.input_ids) == expected_rows
+    assert second.sampling_params["max_new_tokens"] == LIMIT, "a prompt opens a turn with a fresh allowance"
+    assert kinds[-1][0] == "silence"
+
+
+def test_a_frame_mid_turn_continues_the_turn(processor):
+    manager, kinds, words, _ = asyncio.run(run_barge_in(processor, "frame"))
+    first, second = manager.requests[:2]
+    assert first.rid in manager.interrupts
+    assert not any(k[0] == "interrupted" for k in kinds), "a frame does not close the turn"
+    generated_first = len([k for k in kinds if k[0] == "text"]) - 1  # the second step said one word
+    assert second.sampling_params["max_new_tokens"] == LIMIT - generated_first, "the turn's allowance continues"
+
+
+def test_the_scheduler_hook_finishes_a_running_step_after_its_next_token():
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    rid = step_rid("s1", 3)
+    running = SimpleNamespace(rid=rid, output_ids=[5, 6], finished=lambda: False, to_finish=None)
+    other = SimpleNamespace(rid=step_rid("s2", 1), output_ids=[5], finished=lambda: False, to_finish=None)
+    scheduler = SimpleNamespace(running_batch=SimpleNamespace(reqs=[running, other]))
+    stock = []
+    interrupt_step(lambda s, r: stock.append(r), scheduler, AbortReq(rid=rid, abort_message=INTERRUPT_MESSAGE))
+    assert isinstance(running.to_finish, FINISH_LENGTH) and running.to_finish.length == 3
+    assert other.to_finish is None and not stock
+    plain = AbortReq(rid=rid)
+    interrupt_step(lambda s, r: stock.append(r), scheduler, plain)
+    assert stock == [plain], "an ordinary abort is stock's"
