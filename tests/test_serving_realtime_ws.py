@@ -162,3 +162,52 @@ def test_refusal_disconnect_and_bad_inputs(checkpoint, reference):
     assert result["victim"].texts() == expected_deltas(reference["tokenizer"], tokens)
     assert idle["num_used_tokens"] == 0, idle
     assert log.count("realtime session") >= 3 and "closed:" in log
+
+
+async def two_sessions_under_pressure(url: str) -> dict:
+    """Two sessions at once; each either completes its script or ends with an error event."""
+
+    async def one(name):
+        client = RealtimeClient(url)
+        try:
+            await drive_client(client, SCRIPTS[name])
+        except RuntimeError:
+            pass  # the socket closed: its session was aborted
+        await client.close()
+        return client
+
+    names = ["frames_1fps_then_prompt", "six_frames_2fps"]
+    clients = await asyncio.gather(*(one(name) for name in names))
+    return dict(zip(names, clients))
+
+
+async def drive_client(client: RealtimeClient, script) -> None:
+    await client.open(max_new_tokens=TURN_LIMIT, temperature=0.0)
+    await client.settle()
+    for action in script:
+        seq_no = await client.frame(noise_image(action[2]), action[1]) if action[0] == "frame" else None
+        if seq_no is None:
+            seq_no = await client.prompt(action[1])
+        await client.settle(seq_no)
+
+
+def test_memory_pressure_aborts_a_session_and_the_others_go_on(checkpoint, reference, monkeypatch):
+    """sglang's retraction switch (`SGLANG_TEST_RETRACT`: a running request loses its KV every few forwards, as
+    under memory pressure) hits the sessions' steps: a retracted session ends with an error event and frees its KV;
+    a session that completes equals the reference; the server stays up and ends idle."""
+    monkeypatch.setenv("SGLANG_TEST_RETRACT", "1")
+    extra = ["--dtype", "float32", "--max-total-tokens", "6000", "--context-length", "4096"]
+    with SglangServer(checkpoint, extra_args=extra, name="realtime-retract") as server:
+        url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
+        sessions = asyncio.run(two_sessions_under_pressure(url))
+        idle = wait_for_load(server, lambda load: load["num_used_tokens"] == 0, timeout_s=60)
+        log = server.log_path.read_text()
+    aborted = [name for name, c in sessions.items() if c.count("error")]
+    assert "retracted" in log and aborted, "the retraction switch aborted no session"
+    for name, client in sessions.items():
+        errors = [r.event for r in client.events if r.event["type"] == "error"]
+        if errors:
+            assert client.count("session.done") == 1, name
+        else:
+            assert client.texts() == expected_deltas(reference["tokenizer"], reference["streams"][name]), name
+    assert idle["num_used_tokens"] == 0, idle

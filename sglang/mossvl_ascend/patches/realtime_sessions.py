@@ -164,7 +164,7 @@ def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
     """BEFORE hook on ``Scheduler._add_request_to_queue``: a realtime step's request becomes the session's whole
     sequence (``[encoder rows | every text row]``) with its multimodal inputs describing the session so far."""
     parsed = parse_step_rid(req.rid)
-    if parsed is None or req.finished():
+    if parsed is None or req.finished() or req.to_finish is not None:  # aborted (a retracted step, say): not run
         return
     session_id, step = parsed
     if step == CLOSE_STEP:
@@ -300,7 +300,13 @@ def keep_step_kv(original: Callable, session, req) -> bool:
     cache, step = session.cache, stream.step
     cache.unlock(req.lock)
     req.lock = None
-    if isinstance(req.finished_reason, FINISH_ABORT) or not req.output_ids:
+    retracted = not req.finished()
+    if retracted or isinstance(req.finished_reason, FINISH_ABORT) or not req.output_ids:
+        # A retracted step (memory pressure) cannot be prefilled again (its pixels are gone, so are earlier
+        # frames'): its session ends, with an error to its client; the other requests go on.
+        if retracted:
+            logger.warning("realtime session %s aborted: its step %s was retracted", stream.session_id, req.rid)
+            req.set_finish_with_abort(f"realtime session {stream.session_id} evicted under KV memory pressure")
         if stream.slot is None or stream.slot.kv is not req.kv:
             stream.slot = SessionSlot(kv=req.detach_kv())
         release_stream(stream.session_id, cache)
@@ -504,7 +510,8 @@ PATCHES = (
         how=(
             "the record is detached from the request and kept (committed: every row but the last generated token), "
             "any whole page past it freed; the session's text, positions and frame ends advance. An aborted step "
-            "frees the whole session"
+            "frees the whole session; so does a retracted one (memory pressure), which is then aborted: a "
+            "session cannot be prefilled again without its frames"
         ),
         upstream="stock streaming sessions keep a turn's record the same way",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
