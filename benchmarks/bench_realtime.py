@@ -31,6 +31,7 @@ Definitions (all times ``time.perf_counter()`` in this process):
   * peak MiB: engine, the summed VmHWM of the server's processes (launcher, scheduler, detokenizer) after the run;
     one server serves every run, in increasing N, so it is the peak up to that run. Reference: this process's
     peak RSS (measured before any server starts).
+  * load: the machine's 1-minute load average as the run ended (2 cores; anything else running shows here).
 
 The reference runs first, with no server running (an idle server would take a core); the engine runs follow on
 one server. Last line: ``RESULT realtime_engine sessions_realtime_1fps=N runner_sessions_realtime_1fps=M
@@ -47,6 +48,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import re
 import resource
 import sys
@@ -96,6 +98,7 @@ class Run:
     kept_up: int = 0  # sessions that kept up
     failed: list[str] = field(default_factory=list)  # why a session ended early
     peak_mib: Optional[float] = None
+    load: float = math.nan  # the machine's 1-minute load average when the run ended
 
     @property
     def keeps_up(self) -> bool:
@@ -180,17 +183,16 @@ def reference_run(model, processor, args, fps: float, frames: int) -> Run:
     finally:
         session.close(timeout=60)
         reader.join(timeout=10)
-    done = [next((at for at, seen in forwards if seen > k), None) for k in range(frames)]
-    done = [at for at in done if at is not None]
+    done = [(k, next((at for at, seen in forwards if seen > k), None)) for k in range(len(pushed))]
+    done = [(k, at) for k, at in done if at is not None]
     ttft = None
     if prompted is not None:
         after = [(at, piece) for at, piece in pieces if at >= prompted]
         start = next((i for i, (_, piece) in enumerate(after) if piece == ROUND_START), len(after))
         ttft = next((at - prompted for at, piece in after[start + 1 :] if not CONTROL_PIECE.match(piece)), None)
-    run.add_session(
-        [at - pushed[k] for k, at in enumerate(done)], [at - (t0 + k / fps) for k, at in enumerate(done)], ttft
-    )
+    run.add_session([at - pushed[k] for k, at in done], [at - (t0 + k / fps) for k, at in done], ttft)
     run.peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    run.load = os.getloadavg()[0]
     return run
 
 
@@ -285,6 +287,7 @@ def engine_run(server: SglangServer, args, count: int, fps: float, frames: int) 
                 ttft = text.at - client.events[accepted].at if text else None
         run.add_session(latencies, lags, ttft)
     run.peak_mib = server_peak_mib(server)
+    run.load = os.getloadavg()[0]
     return run
 
 
@@ -342,7 +345,7 @@ def print_table(runs: list[Run], shapes: str) -> None:
     print(shapes)
     print(
         f"{'side':<10} {'sessions':>8} {'fps':>4} {'frames':>9} {'p50 ms':>8} {'p95 ms':>8} {'max lag ms':>10} "
-        f"{'TTFT ms':>8} {'kept up':>8} {'keeps up':>8} {'peak MiB':>9}"
+        f"{'TTFT ms':>8} {'kept up':>8} {'keeps up':>8} {'peak MiB':>9} {'load':>5}"
     )
     for run in runs:
         ttft = f"{1e3 * percentile(run.ttfts, 50):.0f}" if run.ttfts else "-"
@@ -351,7 +354,7 @@ def print_table(runs: list[Run], shapes: str) -> None:
             f"{run.side:<10} {run.sessions:>8} {run.fps:>4g} {len(run.latencies):>4}/{run.sessions * run.frames:<4} "
             f"{1e3 * percentile(run.latencies, 50):>8.0f} {1e3 * percentile(run.latencies, 95):>8.0f} "
             f"{1e3 * max(run.lags, default=math.nan):>10.0f} {ttft:>8} {run.kept_up:>3}/{run.sessions:<4} "
-            f"{'yes' if run.keeps_up else 'no':>8} {peak:>9}"
+            f"{'yes' if run.keeps_up else 'no':>8} {peak:>9} {run.load:>5.1f}"
         )
     for run in runs:
         for why in run.failed:
@@ -372,11 +375,15 @@ def describe(checkpoint: Path, args) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny-realtime preset, 1 and 2 sessions, a 3 s stream (overrides those three flags; for the test)",
     )
-    parser.add_argument("--quick", action="store_true", help="tiny-realtime preset, 1 and 2 sessions, a 3 s stream")
-    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent engine sessions")
+    parser.add_argument(
+        "--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent engine sessions (default 1 2 4 8)"
+    )
     parser.add_argument("--fps", type=float, nargs="+", default=[1.0, 2.0], help="frames per second (default 1 2)")
     parser.add_argument("--seconds", type=float, default=8.0, help="stream length in seconds (default 8)")
     parser.add_argument(
@@ -385,7 +392,7 @@ def main(argv=None) -> int:
         default="bench",
         help="checkpoint preset, served as a realtime checkpoint (default bench: bench-realtime)",
     )
-    parser.add_argument("--size", type=int, default=128, help="frame side in pixels (default 128)")
+    parser.add_argument("--size", type=int, default=128, help="frame side in pixels (default 128: 16 vision tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="token limit of one turn (default 64)")
     parser.add_argument(
         "--queue-capacity",

@@ -1,9 +1,10 @@
 """`make demo-realtime`: serve the tiny MOSS-VL-Realtime checkpoint with stock sglang + the plugin, stream a video
 through ``WS /v1/video/realtime`` with a prompt, print each round as it comes, stop the server.
 
-The video is the realtime runner's synthetic source (a square sliding across the frame, its time written on it),
-sent at its frame rate on a real clock; the prompt goes in after ``--prompt-after`` frames. Each round is printed
-when its turn ends (``response.turn.silence``): what came in, what the model said, how long the step took.
+The video is the example clip of the runners (``inference/examples/media/moving_dot.mp4``, a dot moving across the
+frame), sampled at ``--fps`` and sent on a real clock; the prompt goes in after ``--prompt-after`` frames.
+Each round is printed when its turn ends (``response.turn.silence``): what came in, what the model said, how long
+the step took.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import time
 from pathlib import Path
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
-from realtime_inference.video_sources import synthetic_frames
-from serving.launch import SglangServer
+from realtime_inference.video_sources import video_file_frames
+from serving.launch import REPO_ROOT, SglangServer
 from serving.realtime_client import RealtimeClient
 
 logger = logging.getLogger(__name__)
+
+EXAMPLE_VIDEO = REPO_ROOT / "inference" / "examples" / "media" / "moving_dot.mp4"
 
 
 async def stream(url: str, args) -> None:
@@ -31,7 +34,7 @@ async def stream(url: str, args) -> None:
     await client.settle()
     shown = print_round(client, "opening", 0, opened)
     started = time.perf_counter()
-    for index, frame in enumerate(synthetic_frames(args.seconds, args.fps)):
+    for index, frame in enumerate(video_file_frames(args.video, args.fps, args.max_frames)):
         await asyncio.sleep(max(0.0, started + frame.timestamp - time.perf_counter()))
         sent = time.perf_counter()
         seq_no = await client.frame(frame.image, frame.timestamp)
@@ -58,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="MOSS-VL-Realtime checkpoint (default: the tiny-realtime one)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "npu", "cuda"], help="sglang --device (default cpu)")
-    parser.add_argument("--seconds", type=float, default=4.0, help="length of the streamed video (default 4 s)")
-    parser.add_argument("--fps", type=float, default=1.0, help="frames sent per second (default 1)")
+    parser.add_argument("--video", type=Path, default=EXAMPLE_VIDEO, help="video file to stream (default: the example)")
+    parser.add_argument("--fps", type=float, default=2.0, help="frames sampled and sent per second (default 2)")
+    parser.add_argument("--max-frames", type=int, default=6, help="frames sent at most (default 6; 0: the whole video)")
     parser.add_argument("--prompt", default="What is moving?", help="the prompt pushed into the stream")
     parser.add_argument("--prompt-after", type=int, default=2, help="push the prompt after this many frames (2)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per turn at most (default 24)")

@@ -1,8 +1,8 @@
 """Realtime sessions through `WS /v1/video/realtime` of a real `python -m sglang.launch_server` (CPU, fp32), each
 session's output against the reference stream driven by the same script (`support.realtime`).
 
-Per session: the text deltas equal the reference's tokens (one delta per generated token, <|silence|> hidden), one
-`response.turn.silence` per reference turn. Per step, from the scheduler's log: only the new frames went through the
+Per session: each turn's text (its deltas joined) equals the reference's tokens of that turn decoded, and there is
+one `response.turn.silence` per reference turn. Per step, from the scheduler's log: only the new frames went through the
 vision tower and the extend held only the step's rows (so a silent re-prefill fails). After the sessions close the KV
 pool is idle (`/v1/loads`). An ordinary OpenAI request runs alongside and still equals the reference model.
 """
@@ -19,11 +19,12 @@ from serving.realtime_client import RealtimeClient
 from support.realtime import (
     SCRIPTS,
     TURN_LIMIT,
-    expected_deltas,
     frames_of,
     noise_image,
     reference_generated,
     segment_text,
+    served_turn_texts,
+    turn_texts,
 )
 from support.serving import CASES, load_reference, openai_client, reference_ids, served_ids, wait_for_load
 
@@ -92,7 +93,7 @@ def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config
     tokenizer = reference["tokenizer"]
     for name, session in sessions.items():
         tokens = reference["streams"][name]
-        assert session.texts() == expected_deltas(tokenizer, tokens), name
+        assert served_turn_texts(session) == turn_texts(tokenizer, tokens), name
         silence = tokenizer.convert_tokens_to_ids("<|silence|>")
         assert session.count("response.turn.silence") == tokens.count(silence) == len(SCRIPTS[name]) + 1, name
     assert ordinary["completion_ids"] == reference["ordinary"]
@@ -159,7 +160,7 @@ def test_refusal_disconnect_and_bad_inputs(checkpoint, reference):
     assert result["refusal"] is not None and "session_capacity_exceeded" in result["refusal"]
     assert [error["code"] for error in result["errors"]] == ["invalid_request"] * 3
     tokens = reference["streams"]["six_frames_2fps"]
-    assert result["victim"].texts() == expected_deltas(reference["tokenizer"], tokens)
+    assert served_turn_texts(result["victim"]) == turn_texts(reference["tokenizer"], tokens)
     assert idle["num_used_tokens"] == 0, idle
     assert log.count("realtime session") >= 3 and "closed:" in log
 
@@ -209,5 +210,5 @@ def test_memory_pressure_aborts_a_session_and_the_others_go_on(checkpoint, refer
         if errors:
             assert client.count("session.done") == 1, name
         else:
-            assert client.texts() == expected_deltas(reference["tokenizer"], reference["streams"][name]), name
+            assert served_turn_texts(client) == turn_texts(reference["tokenizer"], reference["streams"][name]), name
     assert idle["num_used_tokens"] == 0, idle

@@ -72,8 +72,31 @@ def reference_generated(model, processor, script) -> list[int]:
     return list(session.generated)
 
 
-def expected_deltas(tokenizer, tokens: list[int]) -> list[str]:
-    """The text pieces a served session sends for ``tokens``: one per generated token, <|silence|> hidden."""
+def turn_texts(tokenizer, tokens: list[int]) -> list[str]:
+    """The text of each turn of ``tokens`` (a turn ends on <|silence|>, which is not text), decoded whole."""
     silence = tokenizer.convert_tokens_to_ids("<|silence|>")
-    pieces = [tokenizer.decode([token]) for token in tokens if token != silence]
-    return [piece for piece in pieces if piece]
+    turns, current = [], []
+    for token in tokens:
+        if token == silence:
+            turns.append(tokenizer.decode(current))
+            current = []
+        else:
+            current.append(token)
+    if current:
+        turns.append(tokenizer.decode(current))
+    return turns
+
+
+def served_turn_texts(client) -> list[str]:
+    """The text deltas a served session sent, joined per turn (a turn ends at its `response.turn.silence`)."""
+    turns, current = [], []
+    for received in client.events:
+        kind = received.event["type"]
+        if kind == "response.text.delta":
+            current.append(received.event["delta"])
+        elif kind == "response.turn.silence":
+            turns.append("".join(current))
+            current = []
+    if current:
+        turns.append("".join(current))
+    return turns

@@ -124,6 +124,8 @@ class ServedSession:
         self.turn_id = 0
         self.generated: list[int] = []  # every token the model chose (tests compare it with the reference's)
         self.running_rid: Optional[str] = None
+        self.text_run: list[int] = []  # this turn's tokens, decoded together (a character may span tokens)
+        self.text_emitted = ""
         self.task: Optional[asyncio.Task] = None
 
     # ---- input (never blocks on the model)
@@ -172,6 +174,8 @@ class ServedSession:
                 )
                 first, turn_tokens = False, turn_tokens + generated
                 idle = last == self.silence_id or turn_tokens >= self.config.max_new_tokens
+                if idle or (interrupted and self.prompts):
+                    self._flush_text()
                 if idle and not interrupted:
                     kind = SILENCE if last == self.silence_id else TURN_DONE
                     self.outputs.put_nowait(Output(kind, turn_id=self.turn_id))
@@ -284,11 +288,28 @@ class ServedSession:
         return last, seen, interrupted
 
     def _emit_text(self, new: list[int]) -> None:
-        """One text delta per generated token (its own decode), <|silence|> hidden."""
+        """Text deltas as the turn's text decodes (an incomplete UTF-8 sequence is held back); <|silence|> hidden
+        and it ends the turn's text."""
         for token in new:
-            piece = self.tokenizer.decode([token]) if token != self.silence_id else ""
-            if piece:
-                self.outputs.put_nowait(Output(TEXT, text=piece, turn_id=self.turn_id))
+            if token == self.silence_id:
+                self._flush_text()
+                continue
+            self.text_run.append(token)
+            text = self.tokenizer.decode(self.text_run)
+            if text.endswith("\ufffd"):
+                continue
+            self._put_text(text[len(self.text_emitted) :])
+            self.text_emitted = text
+
+    def _flush_text(self) -> None:
+        """The rest of the turn's text (a held-back incomplete character as the replacement character)."""
+        if self.text_run:
+            self._put_text(self.tokenizer.decode(self.text_run)[len(self.text_emitted) :])
+        self.text_run, self.text_emitted = [], ""
+
+    def _put_text(self, piece: str) -> None:
+        if piece:
+            self.outputs.put_nowait(Output(TEXT, text=piece, turn_id=self.turn_id))
 
     def _sampling(self, max_new_tokens: int) -> dict:
         return {

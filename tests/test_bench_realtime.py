@@ -1,0 +1,65 @@
+"""``benchmarks/bench_realtime.py --quick`` runs end to end (the reference session, then a real server on the
+tiny-realtime checkpoint with 1 and 2 WebSocket sessions at 1 and 2 fps) and its table and RESULT line parse.
+
+Timings are not judged (the machine is shared): only that every row is there, every frame was processed, the
+numbers are positive and the keeps-up figures are session counts consistent with the rows.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ROW = re.compile(
+    r"^(reference|engine)\s+(\d+)\s+([\d.]+)\s+(\d+)/(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+|-)\s+(\d+)/(\d+)\s+"
+    r"(yes|no)\s+(\d+)\s+([\d.]+)$"
+)
+RESULT = re.compile(
+    r"^RESULT realtime_engine sessions_realtime_1fps=(\d+) runner_sessions_realtime_1fps=(\d+) "
+    r"frame_p95_ms_4=([\d.]+)$"
+)
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_quick_prints_a_sane_table_and_result_line():
+    completed = subprocess.run(
+        [sys.executable, "benchmarks/bench_realtime.py", "--quick"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=360,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    lines = completed.stdout.strip().splitlines()
+    rows = {}
+    for line in lines:
+        match = ROW.match(line)
+        if match:
+            side, sessions, fps = match.group(1), int(match.group(2)), float(match.group(3))
+            rows[(side, sessions, fps)] = match.groups()
+    expected = {("reference", 1, 1.0), ("reference", 1, 2.0)}
+    expected |= {("engine", n, fps) for n in (1, 2) for fps in (1.0, 2.0)}
+    assert set(rows) == expected, completed.stdout
+    assert "ended early" not in completed.stdout, completed.stdout
+    for key, groups in rows.items():
+        processed, pushed, p50, p95, max_lag, ttft, kept, sessions, keeps_up, peak, load = groups[3:]
+        assert int(processed) == int(pushed) > 0, key  # every frame processed, none lost
+        assert 0 < int(p50) <= int(p95), key
+        assert int(max_lag) > 0 and int(peak) > 0 and float(load) >= 0, key
+        assert ttft == "-" or int(ttft) > 0, key
+        assert int(sessions) == key[1] and 0 <= int(kept) <= int(sessions), key
+        assert (keeps_up == "yes") == (int(kept) == int(sessions)), key
+    result = RESULT.match(lines[-1])
+    assert result, lines[-1]
+    engine_1fps, runner_1fps, p95_ms = int(result.group(1)), int(result.group(2)), float(result.group(3))
+    kept_up = [n for (side, n, fps), groups in rows.items() if side == "engine" and fps == 1.0 and groups[11] == "yes"]
+    assert engine_1fps == max(kept_up, default=0)
+    assert runner_1fps == (rows[("reference", 1, 1.0)][11] == "yes")
+    # --quick has no 4-session run: the largest one at 1 fps (2 sessions) stands in.
+    assert p95_ms > 0 and abs(p95_ms - int(rows[("engine", 2, 1.0)][6])) <= 1
