@@ -12,7 +12,7 @@ DEVICE ?= cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint test catalog demo demo-realtime serve tiny-model bench bench-serving bench-realtime clean
+.PHONY: help setup lint test catalog demo demo-realtime serve tiny-model bench bench-serving bench-realtime bench-realtime-engine clean
 
 help: ## list the targets with what each does
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -63,6 +63,9 @@ bench-serving: setup ## sglang bench_serving (c=1, c=8) vs the reference model o
 
 bench-realtime: setup ## reference realtime stream: step time at frame 10 and 200 (tiny, bench) vs the old per-prompt re-encode
 	$(CPU_ENV) $(PY) benchmarks/bench_realtime_reference.py
+
+bench-realtime-engine: setup ## realtime sessions served by sglang (1-8 sessions, 1 and 2 fps) beside the transformers session
+	$(CPU_ENV) $(PY) benchmarks/bench_realtime.py $(ARGS)
 
 clean: ## remove the venv and built artefacts
 	rm -rf $(VENV) build
