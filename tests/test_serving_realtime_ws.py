@@ -9,9 +9,11 @@ pool is idle (`/v1/loads`). An ordinary OpenAI request runs alongside and still 
 
 import asyncio
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
 from serving.launch import SglangServer
@@ -36,6 +38,8 @@ STEP_LINE = re.compile(
 CONFIGS = {
     "page128-radix": ["--page-size", "128"],
     "page1-noradix-chunk8-mixed": ["--disable-radix-cache", "--chunked-prefill-size", "8", "--enable-mixed-chunk"],
+    # Two data-parallel ranks: every step of a session must reach the rank that holds its KV.
+    "dp2-page128": ["--dp-size", "2", "--page-size", "128"],
 }
 # An image question with its own system turn: the realtime checkpoint's chat template adds its realtime system
 # prompt to a conversation without one, sglang's "moss-vl" template does not.
@@ -88,7 +92,7 @@ def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config
             ordinary = pool.submit(served_ids, client, model_name, ALONGSIDE)
             sessions = asyncio.run(all_sessions(url))
             ordinary = ordinary.result()
-        idle = wait_for_load(server, lambda load: load["num_used_tokens"] == 0, timeout_s=60)
+        idle = wait_until_idle(server)
         log = server.log_path.read_text()
     tokenizer = reference["tokenizer"]
     for name, session in sessions.items():
@@ -97,7 +101,7 @@ def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config
         silence = tokenizer.convert_tokens_to_ids("<|silence|>")
         assert session.count("response.turn.silence") == tokens.count(silence) == len(SCRIPTS[name]) + 1, name
     assert ordinary["completion_ids"] == reference["ordinary"]
-    assert idle["num_used_tokens"] == 0, idle
+    assert all(load["num_used_tokens"] == 0 for load in idle), idle
     steps = {}
     for session_id, step, rows, frames in STEP_LINE.findall(log):
         steps.setdefault(session_id, {})[int(step)] = (int(rows), int(frames))
@@ -113,6 +117,16 @@ def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config
             rows, frames = per_step[index]
             new_rows = 1 + len(tokenizer(segment_text(action), add_special_tokens=False)["input_ids"])
             assert (rows, frames) == (new_rows, frames_of(action)), f"{name} step {index}"
+
+
+def wait_until_idle(server, timeout_s: float = 60.0) -> list[dict]:
+    """Every rank's ``/v1/loads`` report once none holds KV (or at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = requests.get(f"{server.base_url}/v1/loads", timeout=30).json()["loads"]
+        if all(load["num_used_tokens"] == 0 for load in loads) or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.2)
 
 
 async def faults(url: str, script) -> dict:

@@ -124,6 +124,9 @@ class ServedSession:
         self.turn_id = 0
         self.generated: list[int] = []  # every token the model chose (tests compare it with the reference's)
         self.running_rid: Optional[str] = None
+        # Every step of a session runs on the data-parallel rank that holds its KV.
+        dp_size = getattr(manager.server_args, "dp_size", 1) or 1
+        self.dp_rank = int(self.session_id, 16) % dp_size if dp_size > 1 else None
         self.text_run: list[int] = []  # this turn's tokens, decoded together (a character may span tokens)
         self.text_emitted = ""
         self.task: Optional[asyncio.Task] = None
@@ -255,7 +258,11 @@ class ServedSession:
         if frames:
             _STEP_FRAMES[rid] = self._patches(frames)
         request = GenerateReqInput(
-            rid=rid, input_ids=rows, sampling_params=self._sampling(max(1, allowance)), stream=True
+            rid=rid,
+            input_ids=rows,
+            sampling_params=self._sampling(max(1, allowance)),
+            stream=True,
+            data_parallel_rank=self.dp_rank,
         )
         seen, interrupted = 0, False
         self.running_rid = rid
@@ -323,9 +330,12 @@ class ServedSession:
         }
 
     async def _finish_step_request(self, rid: str, rows: list[int]) -> None:
+        """The ``:close`` request: the scheduler frees the session's slots and row and aborts the request."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        request = GenerateReqInput(rid=rid, input_ids=rows, sampling_params={"max_new_tokens": 1}, stream=False)
+        request = GenerateReqInput(
+            rid=rid, input_ids=rows, sampling_params={"max_new_tokens": 1}, data_parallel_rank=self.dp_rank
+        )
         try:
             async for _ in self.engine.tokenizer_manager.generate_request(request, None):
                 pass
