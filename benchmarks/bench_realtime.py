@@ -17,7 +17,8 @@ sides load that same checkpoint.
 Definitions (all times ``time.perf_counter()`` in this process):
   * frame latency, engine: the client's arrival of ``input.frame.accepted`` -> of ``input.frame.processed`` (the
     engine step holding the frame ran its extend and sampled its first token). Reference: the ``push_frame`` call
-    -> the end of the stream forward that carried the frame (the stream's ``append`` timed per call).
+    -> the end of the stream forward that carried the frame (the stream's ``append`` timed per call; the call
+    patchifies the frame in the caller's thread, as the engine does in its HTTP process after ``accepted``).
   * TTFT: prompt accepted (engine: ``input.prompt.accepted``; reference: the ``push_prompt`` call) -> the first
     text piece of the prompt's turn or later (engine: the first ``response.text.delta`` after
     ``input.prompt.processed``; reference: the first non-control output piece after the prompt's
@@ -31,7 +32,8 @@ Definitions (all times ``time.perf_counter()`` in this process):
   * peak MiB: engine, the summed VmHWM of the server's processes (launcher, scheduler, detokenizer) after the run;
     one server serves every run, in increasing N, so it is the peak up to that run. Reference: this process's
     peak RSS (measured before any server starts).
-  * load: the machine's 1-minute load average as the run ended (2 cores; anything else running shows here).
+  * busy elsewhere: cores the machine spent outside this benchmark and its server during the run (all CPU time,
+    steal included, less this process's and the server processes'): on a shared machine, the competition.
 
 The reference runs first, with no server running (an idle server would take a core); the engine runs follow on
 one server. Last line: ``RESULT realtime_engine sessions_realtime_1fps=N runner_sessions_realtime_1fps=M
@@ -48,7 +50,6 @@ import argparse
 import asyncio
 import logging
 import math
-import os
 import re
 import resource
 import sys
@@ -68,7 +69,6 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from moss_vl_reference import tiny_checkpoint  # noqa: E402
 from moss_vl_reference.configuration_moss_vl import MossVLConfig  # noqa: E402
-from moss_vl_reference.processing_moss_vl import REALTIME_CHAT_TEMPLATE  # noqa: E402
 from moss_vl_reference.queries_moss_vl import ROUND_START  # noqa: E402
 from serving.launch import SglangServer  # noqa: E402
 from serving.realtime_client import RealtimeClient  # noqa: E402
@@ -98,7 +98,7 @@ class Run:
     kept_up: int = 0  # sessions that kept up
     failed: list[str] = field(default_factory=list)  # why a session ended early
     peak_mib: Optional[float] = None
-    load: float = math.nan  # the machine's 1-minute load average when the run ended
+    elsewhere: float = math.nan  # cores busy outside this benchmark and its server during the run
 
     @property
     def keeps_up(self) -> bool:
@@ -122,20 +122,36 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
+def cpu_snapshot(server: Optional[SglangServer] = None) -> tuple[float, float, float]:
+    """(wall s, the machine's busy CPU s, CPU s of this process and of the server's processes)."""
+    times = psutil.cpu_times()
+    busy = times.user + times.nice + times.system + times.irq + times.softirq + times.steal
+    processes = [psutil.Process()]
+    if server is not None:
+        root = psutil.Process(server.process.pid)
+        processes += [root, *root.children(recursive=True)]
+    ours = 0.0
+    for process in processes:
+        try:
+            cpu = process.cpu_times()
+            ours += cpu.user + cpu.system
+        except psutil.NoSuchProcess:
+            pass
+    return time.perf_counter(), busy, ours
+
+
+def cores_elsewhere(before: tuple, after: tuple) -> float:
+    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / (after[0] - before[0])
+
+
 def noise_frame(index: int, size: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(index).integers(0, 255, (size, size, 3), dtype=np.uint8))
 
 
 def realtime_checkpoint(preset: str) -> Path:
-    """The checkpoint of ``preset`` as a realtime one (see the module docstring)."""
-    presets = tiny_checkpoint.PRESETS
-    if "silence_row_scale" not in presets[preset]:
-        base, preset = presets[preset], f"{preset}-realtime"
-        presets.setdefault(
-            preset,
-            {**base, "chat_template": REALTIME_CHAT_TEMPLATE, "silence_row_scale": tiny_checkpoint.SILENCE_ROW_SCALE},
-        )
-    return tiny_checkpoint.build_or_reuse(preset)
+    """The checkpoint of ``preset`` as a realtime one: ``<preset>-realtime`` where the builder has one."""
+    realtime = f"{preset}-realtime"
+    return tiny_checkpoint.build_or_reuse(realtime if realtime in tiny_checkpoint.PRESETS else preset)
 
 
 # ---------------------------------------------------------------------------------------------------- reference
@@ -164,7 +180,7 @@ def reference_run(model, processor, args, fps: float, frames: int) -> Run:
 
     reader = threading.Thread(target=read_outputs, daemon=True)
     reader.start()
-    run = Run("reference", 1, fps, frames)
+    run, before = Run("reference", 1, fps, frames), cpu_snapshot()
     try:
         if not session.wait_until_parked(300):
             raise RuntimeError("the reference stream never parked after its prefill")
@@ -192,7 +208,7 @@ def reference_run(model, processor, args, fps: float, frames: int) -> Run:
         ttft = next((at - prompted for at, piece in after[start + 1 :] if not CONTROL_PIECE.match(piece)), None)
     run.add_session([at - pushed[k] for k, at in done], [at - (t0 + k / fps) for k, at in done], ttft)
     run.peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    run.load = os.getloadavg()[0]
+    run.elsewhere = cores_elsewhere(before, cpu_snapshot())
     return run
 
 
@@ -263,6 +279,7 @@ async def engine_sessions(url: str, args, count: int, fps: float, frames: int) -
 
 def engine_run(server: SglangServer, args, count: int, fps: float, frames: int) -> Run:
     url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
+    before = cpu_snapshot(server)
     results, t0 = asyncio.run(engine_sessions(url, args, count, fps, frames))
     run = Run("engine", count, fps, frames)
     for result in results:
@@ -287,7 +304,7 @@ def engine_run(server: SglangServer, args, count: int, fps: float, frames: int) 
                 ttft = text.at - client.events[accepted].at if text else None
         run.add_session(latencies, lags, ttft)
     run.peak_mib = server_peak_mib(server)
-    run.load = os.getloadavg()[0]
+    run.elsewhere = cores_elsewhere(before, cpu_snapshot(server))
     return run
 
 
@@ -345,7 +362,7 @@ def print_table(runs: list[Run], shapes: str) -> None:
     print(shapes)
     print(
         f"{'side':<10} {'sessions':>8} {'fps':>4} {'frames':>9} {'p50 ms':>8} {'p95 ms':>8} {'max lag ms':>10} "
-        f"{'TTFT ms':>8} {'kept up':>8} {'keeps up':>8} {'peak MiB':>9} {'load':>5}"
+        f"{'TTFT ms':>8} {'kept up':>8} {'keeps up':>8} {'peak MiB':>9} {'elsewhere':>9}"
     )
     for run in runs:
         ttft = f"{1e3 * percentile(run.ttfts, 50):.0f}" if run.ttfts else "-"
@@ -354,7 +371,7 @@ def print_table(runs: list[Run], shapes: str) -> None:
             f"{run.side:<10} {run.sessions:>8} {run.fps:>4g} {len(run.latencies):>4}/{run.sessions * run.frames:<4} "
             f"{1e3 * percentile(run.latencies, 50):>8.0f} {1e3 * percentile(run.latencies, 95):>8.0f} "
             f"{1e3 * max(run.lags, default=math.nan):>10.0f} {ttft:>8} {run.kept_up:>3}/{run.sessions:<4} "
-            f"{'yes' if run.keeps_up else 'no':>8} {peak:>9} {run.load:>5.1f}"
+            f"{'yes' if run.keeps_up else 'no':>8} {peak:>9} {run.elsewhere:>9.2f}"
         )
     for run in runs:
         for why in run.failed:

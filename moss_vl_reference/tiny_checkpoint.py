@@ -154,6 +154,13 @@ PRESETS["tiny-realtime"] = {
     "chat_template": REALTIME_CHAT_TEMPLATE,
     "silence_row_scale": SILENCE_ROW_SCALE,
 }
+# The bench preset as a realtime checkpoint (benchmarks/bench_realtime.py): without the scaled <|silence|> row its
+# random weights almost never say <|silence|>, and a served turn that reaches its token limit ends the session.
+PRESETS["bench-realtime"] = {
+    **PRESETS["bench"],
+    "chat_template": REALTIME_CHAT_TEMPLATE,
+    "silence_row_scale": SILENCE_ROW_SCALE,
+}
 
 
 def build_tokenizer(vocab_size: int, chat_template: str = CHAT_TEMPLATE):

@@ -108,6 +108,10 @@ def engine_env(device: str, extra_args: list[str] | None = None) -> dict[str, st
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        # OpenMP threads that sleep when idle instead of spinning: with another process busy on this 2-core machine
+        # (a client, the test process) spinning workers starved the server (a realtime session's frame p95 went
+        # from ~350 ms with PASSIVE to 2.9-4.6 s without, benchmarks/bench_realtime.py, 2026-12-02).
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH", "")) if p)
         ranks = rank_count(list(extra_args or []))
         if ranks > 1:
