@@ -52,7 +52,9 @@ def test_quick_prints_a_sane_table_and_result_line():
         assert int(processed) == int(pushed) > 0, key  # every frame processed, none lost
         assert 0 < int(p50) <= int(p95), key
         assert int(max_lag) > 0 and int(peak) > 0 and float(elsewhere) >= 0, key
-        assert ttft == "-" or int(ttft) > 0, key
+        assert ttft == "-" or int(ttft) >= 0, (
+            key
+        )  # ms, rounded: a prompt drained into a running step can answer at once
         assert int(sessions) == key[1] and 0 <= int(kept) <= int(sessions), key
         assert (keeps_up == "yes") == (int(kept) == int(sessions)), key
     result = RESULT.match(lines[-1])
