@@ -9,21 +9,15 @@ is driven without the WebSocket layer (tested on its own in `test_realtime_proto
 
 import asyncio
 
-import numpy as np
 import pytest
-import torch
-from PIL import Image
-from transformers import AutoModelForCausalLM, AutoProcessor
+from transformers import AutoProcessor
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
+from support.realtime import TURN_LIMIT, noise_image, reference_generated
+from support.serving import load_reference
 
-TURN_LIMIT = 24
 WAIT = 120.0
 SCRIPT = (("frame", 0.0, 1), ("frame", 1.0, 2), ("prompt", "What moved?"), ("frame", 2.0, 3))
-
-
-def noise_image(seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -33,22 +27,8 @@ def realtime_checkpoint():
 
 @pytest.fixture(scope="module")
 def reference_tokens(realtime_checkpoint):
-    model = AutoModelForCausalLM.from_pretrained(
-        realtime_checkpoint, trust_remote_code=True, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
-    processor = AutoProcessor.from_pretrained(realtime_checkpoint, trust_remote_code=True)
-    session = model.create_realtime_session(processor, max_new_tokens=TURN_LIMIT).start()
-    try:
-        assert session.wait_until_parked(WAIT)
-        for action in SCRIPT:
-            if action[0] == "frame":
-                session.push_frame(noise_image(action[2]), action[1])
-            else:
-                session.push_prompt(action[1])
-            assert session.wait_until_parked(WAIT)
-    finally:
-        session.close(WAIT)
-    return list(session.generated)
+    model, processor = load_reference(realtime_checkpoint)
+    return reference_generated(model, processor, SCRIPT)
 
 
 async def served_tokens(engine) -> tuple[list[int], list[str]]:

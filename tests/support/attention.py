@@ -204,51 +204,10 @@ def build_banded_batch(requests, num_heads, num_kv_heads, head_dim, dtype, page_
     ``stride`` slots. A cross-attention layer's cache is the whole storage, vision token ``t`` at band ``t // R`` of
     slot ``row[t % R]``; a self-attention layer's is one band (the second, so its slots are not storage rows). The
     references copy each request's K/V out of the storage by that rule, written here independently of the core."""
-    gen = torch.Generator().manual_seed(seed)
-    encoder_rows = [-(-r.encoder_len // bands) for r in requests]
-    pages_per_request = [-(-(rows + r.text_len) // page_size) for rows, r in zip(encoder_rows, requests)]
-    num_pages = sum(pages_per_request) + 3
-    stride = num_pages * page_size
-    storage_k = torch.randn(bands * stride, num_kv_heads, head_dim, generator=gen).to(dtype)
-    storage_v = torch.randn(bands * stride, num_kv_heads, head_dim, generator=gen).to(dtype)
-    band = min(1, bands - 1)
-    k_cache, v_cache = (
-        (storage_k, storage_v)
-        if cross
-        else (storage_k[band * stride : (band + 1) * stride], storage_v[band * stride : (band + 1) * stride])
-    )
-    free_pages = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
-    req_pool_indices = torch.randperm(len(requests) + 2, generator=gen)[: len(requests)]
-    width = max(64, max(pages_per_request) * page_size)
-    req_to_token = torch.zeros(len(requests) + 2, width, dtype=torch.int32)
-    slots, encoder_k, encoder_v, text_k, text_v = [], [], [], [], []
-    for req, pool_idx, pages, rows in zip(requests, req_pool_indices.tolist(), pages_per_request, encoder_rows):
-        owned = torch.tensor([free_pages.pop() for _ in range(pages)])
-        row = (owned[:, None] * page_size + torch.arange(page_size)).flatten()[: rows + req.text_len]
-        req_to_token[pool_idx, : len(row)] = row.int()
-        slots.append(row)
-        vision = [(t // rows) * stride + int(row[t % rows]) for t in range(req.encoder_len)]
-        encoder_k.append(storage_k[vision].clone())
-        encoder_v.append(storage_v[vision].clone())
-        text_k.append(k_cache[row[rows:]].clone() if not cross else storage_k[:0])
-        text_v.append(v_cache[row[rows:]].clone() if not cross else storage_v[:0])
-    query = torch.randn(sum(r.extend_len for r in requests), num_heads, head_dim, generator=gen).to(dtype)
-    return Batch(
-        requests,
-        num_heads,
-        num_kv_heads,
-        req_pool_indices,
-        req_to_token,
-        k_cache,
-        v_cache,
-        encoder_k,
-        encoder_v,
-        text_k,
-        text_v,
-        query,
-        slots,
-        EncoderAddressing(bands, stride),
-    )
+    session = [False] * len(requests)
+    return build_session_batch(
+        requests, session, num_heads, num_kv_heads, head_dim, dtype, page_size, bands, cross, seed
+    )[0]
 
 
 def build_session_batch(requests, session, num_heads, num_kv_heads, head_dim, dtype, page_size, bands, cross, seed=0):

@@ -169,13 +169,12 @@ def vision_tokens_in_the_forward(forward_batch, cls, batch, model_runner, *args:
     realtime = step_vision_in_the_forward(forward_batch, batch, addressing)
     if addressing.bands == 1 and realtime is None:
         return forward_batch
-    realtime = realtime or [None] * len(rows)
+    realtime, step_addresses = realtime or ([None] * len(rows), {})
     tokens = [
         step_tokens if step_tokens is not None else _vision_tokens(req, row_len, addressing.bands)
         for req, row_len, step_tokens in zip(batch.reqs, rows, realtime)
     ]
     new_slots = forward_batch.encoder_out_cache_loc
-    step_addresses = getattr(forward_batch, "mossvl_realtime_addresses", {})
     # A decode batch keeps the last extend's (unused) encoder slots: only an extend writes vision K/V.
     if forward_batch.forward_mode.is_extend() and (step_addresses or (new_slots is not None and new_slots.numel())):
         addresses, start = [], 0

@@ -369,11 +369,11 @@ def release_stream(session_id: str, cache) -> None:
     logger.info("realtime session %s closed: %d rows freed", session_id, freed)
 
 
-def step_vision_in_the_forward(forward_batch, batch, addressing) -> list[int | None] | None:
-    """Called by the KV-layout forward hook: per request, the vision tokens a realtime step's forward sees (None
-    for other requests), or None when the batch has no realtime step. A step's new vision tokens are marked
-    uncached (the vision tower runs on its new frames) and get their slot-major unit addresses, left in
-    ``forward_batch.mossvl_realtime_addresses`` (batch index -> addresses) for the hook's K/V write locations."""
+def step_vision_in_the_forward(forward_batch, batch, addressing):
+    """Called by the KV-layout forward hook: (per request, the vision tokens a realtime step's forward sees, None
+    for other requests; batch index -> slot-major unit addresses of a step's new vision tokens, the hook's K/V
+    write locations), or None when the batch has no realtime step. A step with new vision tokens is marked
+    uncached, so the vision tower runs on its new frames."""
     if not any(parse_step_rid(rid) for rid in getattr(forward_batch, "rids", None) or ()):
         return None
     steps = [_running_step(req) for req in batch.reqs]
@@ -390,8 +390,7 @@ def step_vision_in_the_forward(forward_batch, batch, addressing) -> list[int | N
             new_addresses[i] = addresses[step.new_vision_from :]
             forward_batch.encoder_cached[i] = False
             step.encoded = True
-    forward_batch.mossvl_realtime_addresses = new_addresses
-    return [None if step is None else step.vision_tokens for step in steps]
+    return [None if step is None else step.vision_tokens for step in steps], new_addresses
 
 
 def _running_step(req) -> RunningStep | None:
