@@ -2,6 +2,9 @@
 whole pages of encoder slots in front of the text, more than its vision tokens need, vision tokens slot-major
 (`kv_layout.slot_major_vision_addresses`), in one batch with ordinary (band-major) requests.
 
+With a frame window a session's rows also have a lower bound: rows before a step's new frame still see the older
+frames, rows from it on see a later window start (`ForwardAttentionMetadata.cross_lower`).
+
 Oracle: the dense reference over K/V copied out of the storage by the layout rules (`support.attention`), fp32.
 """
 
@@ -17,6 +20,7 @@ from support.attention import (
     reference_self_extend,
     run_core_layer,
 )
+from support.simulated_npu import npu_attention_on_cpu
 
 REQUESTS = [
     # a session step: 3 frames of 5 tokens, 175 cached rows, 10 new rows seeing 2 then 3 frames
@@ -27,6 +31,65 @@ REQUESTS = [
     Request(spans=[5, 5], prefix_len=40, extend_len=1, visible_frame_counts=[2] * 41),
 ]
 SESSION = [True, False, True]
+
+
+# A frame window: each session row sees frames [first, visible).
+WINDOWED = [
+    # a step whose rows see frames 1-2, then (from its new frame on) 2-3
+    Request(
+        spans=[5, 5, 5, 5],
+        prefix_len=175,
+        extend_len=10,
+        visible_frame_counts=[0] * 175 + [3] * 8 + [4, 4],
+        first_visible_frames=[0] * 175 + [1] * 8 + [2, 2],
+    ),
+    Request(spans=[4, 4], prefix_len=0, extend_len=6, visible_frame_counts=[0, 1, 1, 2, 2, 2]),
+    # a session in decode: every frame but the first two
+    Request(spans=[5, 5, 5], prefix_len=40, extend_len=1, visible_frame_counts=[3] * 41, first_visible_frames=[2] * 41),
+    # a long step (more rows than a leaf: a staircase, were it not windowed)
+    Request(
+        spans=[5, 6, 5, 7],
+        prefix_len=3,
+        extend_len=200,
+        visible_frame_counts=[0] * 3 + [1] * 50 + [2] * 50 + [3] * 50 + [4] * 50,
+        first_visible_frames=[0] * 103 + [1] * 50 + [2] * 50,
+    ),
+]
+WINDOWED_SESSION = [True, False, True, True]
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+@pytest.mark.parametrize("bands", [1, 3])
+def test_windowed_session_rows_see_only_their_window(page_size, bands):
+    batch, encoder_rows = build_session_batch(
+        WINDOWED, WINDOWED_SESSION, 4, 2, 16, torch.float32, page_size, bands, True
+    )
+    metadata = batch_metadata(batch).with_encoder_rows(encoder_rows, WINDOWED_SESSION)
+    assert metadata.cross_lower is not None
+    out = run_core_layer(batch, metadata, True, page_size=page_size)
+    torch.testing.assert_close(out, reference_cross_extend(batch, 16**-0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_session_rows_on_the_npu_primitive(monkeypatch):
+    """The same through the NPU's lengths-taking primitive (the STAND-IN FIA) in fp16: the window is a mask."""
+    batch, encoder_rows = build_session_batch(WINDOWED, WINDOWED_SESSION, 4, 2, 16, torch.float16, 128, 3, True)
+    metadata = batch_metadata(batch).with_encoder_rows(encoder_rows, WINDOWED_SESSION)
+    with npu_attention_on_cpu(monkeypatch) as calls:
+        out = run_core_layer(batch, metadata, True, page_size=128)
+    assert calls and any(call.get("atten_mask") is not None for call in calls)
+    reference = reference_cross_extend(batch, 16**-0.5)
+    torch.testing.assert_close(out.float(), reference.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_window_ignored_reads_evicted_frames():
+    """The window test can fail: without the lower bounds the session rows see the frames before their window."""
+    batch, encoder_rows = build_session_batch(WINDOWED, WINDOWED_SESSION, 4, 2, 16, torch.float32, 16, 3, True)
+    metadata = batch_metadata(batch).with_encoder_rows(encoder_rows, WINDOWED_SESSION).with_lower_bounds([None] * 4)
+    out = run_core_layer(batch, metadata, True, page_size=16)
+    reference = reference_cross_extend(batch, 16**-0.5)
+    for index in (0, 2, 3):
+        rows = batch.query_rows(index)
+        assert not torch.allclose(out[rows], reference[rows], atol=1e-3), index
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 128])

@@ -57,11 +57,16 @@ def reference_attention(q, k, v, visible, scale, logit_cap=0.0):
     return out
 
 
-def frame_visibility(spans, visible_frame_counts):
-    """Bool [rows, sum(spans)]: a row that sees n frames sees the encoder prefix of n spans."""
+def frame_visibility(spans, visible_frame_counts, first_frames=None):
+    """Bool [rows, sum(spans)]: a row that sees n frames sees the encoder prefix of n spans; with ``first_frames``
+    (a frame window) a row whose first frame is f does not see the keys of the f frames before it."""
     encoder_len = sum(spans)
     boundaries = [sum(spans[:count]) for count in visible_frame_counts]
-    return torch.arange(encoder_len)[None, :] < torch.tensor(boundaries, dtype=torch.long)[:, None]
+    keys = torch.arange(encoder_len)[None, :]
+    visible = keys < torch.tensor(boundaries, dtype=torch.long)[:, None]
+    if first_frames is not None:
+        visible &= keys >= torch.tensor([sum(spans[:f]) for f in first_frames], dtype=torch.long)[:, None]
+    return visible
 
 
 def causal_with_prefix(extend_len, prefix_len):
@@ -81,6 +86,8 @@ class Request:
     prefix_len: int
     extend_len: int
     visible_frame_counts: list[int] = field(default_factory=list)
+    # A realtime step with a frame window: per text row, the first frame it sees (empty: frame 0 for every row).
+    first_visible_frames: list[int] = field(default_factory=list)
 
     @property
     def encoder_len(self) -> int:
@@ -92,7 +99,8 @@ class Request:
 
     def new_token_visibility(self):
         counts = self.visible_frame_counts[self.prefix_len : self.text_len]
-        return frame_visibility(self.spans, counts)
+        first = self.first_visible_frames[self.prefix_len : self.text_len] or None
+        return frame_visibility(self.spans, counts, first)
 
 
 def example_requests():
@@ -307,12 +315,21 @@ def batch_metadata(batch):
         boundaries.append(
             torch.tensor([sum(r.spans[:c]) for c in counts], dtype=torch.int32) if r.encoder_len and counts else None
         )
-    return ForwardAttentionMetadata.build(
+    metadata = ForwardAttentionMetadata.build(
         [r.extend_len for r in batch.requests],
         [r.prefix_len for r in batch.requests],
         [r.encoder_len for r in batch.requests],
         boundaries,
     )
+    if any(r.first_visible_frames for r in batch.requests):
+        lowers = [
+            torch.tensor([sum(r.spans[:f]) for f in r.first_visible_frames[r.prefix_len : r.text_len]])
+            if r.first_visible_frames
+            else None
+            for r in batch.requests
+        ]
+        metadata.with_lower_bounds(lowers)
+    return metadata
 
 
 def reference_cross_extend(batch, scale, logit_cap=0.0):

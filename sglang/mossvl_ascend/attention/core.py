@@ -174,9 +174,12 @@ def attention(
     paged = _paged_attention_enabled(query.device) and full_to_swa_mapping is None and not layer.logit_cap
     groups = _groups(metadata, req_to_token, req_pool_indices, layer.is_cross_attention, k_cache, v_cache, addressing)
     for group in groups:
-        # A slot-major encoder (a realtime session's) has no run of blocks per band: it is gathered.
-        slot_major = layer.is_cross_attention and any(metadata.is_slot_major(i) for i in group.requests)
-        if paged and group.query_index.shape[1] == 1 and not slot_major:
+        # A slot-major encoder (a realtime session's) has no run of blocks per band, and a frame window's lower
+        # bound is no KV length: such groups are gathered.
+        gathered = layer.is_cross_attention and any(
+            metadata.is_slot_major(i) or metadata.has_lower(i) for i in group.requests
+        )
+        if paged and group.query_index.shape[1] == 1 and not gathered:
             _paged_group_attention(
                 query,
                 output,
@@ -231,11 +234,15 @@ def per_request_attention(query, k_cache, v_cache, req_to_token, req_pool_indice
 
 
 def _staircase_requests(metadata: ForwardAttentionMetadata) -> list[int]:
-    """Cross-attention requests computed by their block plan: more than one block and more than a leaf of rows."""
+    """Cross-attention requests computed by their block plan: more than one block and more than a leaf of rows
+    (a plan covers encoder prefixes: a request whose rows start past the encoder's start goes in a masked call)."""
     return [
         i
         for i, plan in enumerate(metadata.plans)
-        if plan is not None and len(plan.blocks) > 1 and metadata.extend_lens[i] > LEAF_ROWS
+        if plan is not None
+        and len(plan.blocks) > 1
+        and metadata.extend_lens[i] > LEAF_ROWS
+        and not metadata.has_lower(i)
     ]
 
 
@@ -369,17 +376,22 @@ def _padded_group(
 
     # One row per request after its whole cached text (decode): the causal limit is the key length itself.
     sees_all_keys = max_rows == 1 and len(set(key_lens)) == 1
+    windowed = is_cross and any(metadata.has_lower(i) for i in members)
     if is_cross:
-        sees_all_keys = sees_all_keys and all(metadata.cross_boundaries[i] is None for i in members)
+        sees_all_keys = sees_all_keys and all(metadata.cross_boundaries[i] is None for i in members) and not windowed
     causal_from_first_key = not is_cross and not any(metadata.prefix_lens[i] for i in members)
     uniform = [metadata.uniform_boundaries[i] for i in members] if is_cross else []
     seen_keys = [keys if bound is None else bound for bound, keys in zip(uniform, key_lens)] or key_lens
-    needs_mask = (is_cross and None in uniform) if by_lengths else not (sees_all_keys or causal_from_first_key)
+    needs_mask = (
+        (is_cross and (None in uniform or windowed)) if by_lengths else not (sees_all_keys or causal_from_first_key)
+    )
     visible = None
     if needs_mask:
         keys = key_offsets[:, None, :]  # [1, 1, max_keys]
         if is_cross:
             visible = keys < _padded_boundaries(metadata, members, key_lens_t, max_rows, device)[:, :, None]
+            if windowed:
+                visible &= keys >= _padded_lower_bounds(metadata, members, max_rows, device)[:, :, None]
         else:
             causal_limit = prefix_lens_t[:, None, None] + row_offsets[:, :, None]
             visible = (keys < key_lens_t[:, None, None]) & (keys <= causal_limit)
@@ -412,6 +424,17 @@ def _padded_boundaries(metadata, members: list[int], encoder_lens: torch.Tensor,
         for i, b in zip(members, bounds)
     ]
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def _padded_lower_bounds(metadata, members: list[int], max_rows: int, device):
+    """``[B, max_rows]`` first key each new row sees (0 for a request without a frame window; padding rows any)."""
+    rows = [
+        torch.zeros(max_rows, dtype=torch.int64, device=device)
+        if not metadata.has_lower(i)
+        else metadata.cross_lower[i].to(device, torch.int64)
+        for i in members
+    ]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)[:, :max_rows]
 
 
 def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer: AttentionLayer, slot_map) -> None:

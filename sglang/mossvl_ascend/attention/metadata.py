@@ -44,8 +44,11 @@ def visible_frames_of_rows(visible_frame_counts: torch.Tensor, text_offset: int,
     return visible_frame_counts[rows.clamp_(max=visible_frame_counts.numel() - 1)]
 
 
-# On a realtime step's MultimodalInputs: the encoder end of every frame of the session so far (int64 tensor).
+# On a realtime step's MultimodalInputs: the encoder end of every frame of the session so far (int64 tensor, in the
+# numbering of the vision tokens still cached: a frame the window evicted ends at or below 0).
 FRAME_ENDS_ATTRIBUTE = "mossvl_frame_ends"
+# On a realtime step's MultimodalInputs when a frame window is on: per text row, the first frame it sees (int32).
+WINDOW_STARTS_ATTRIBUTE = "mossvl_window_starts"
 
 
 def request_row_boundaries(mm_input, text_offset: int, q_len: int, encoder_len: int, spatial_merge_size: int, device):
@@ -68,13 +71,25 @@ def request_row_boundaries(mm_input, text_offset: int, q_len: int, encoder_len: 
     return encoder_boundaries_from_visible_frames(rows, frame_ends, encoder_len)
 
 
+def request_row_lower_bounds(mm_input, text_offset: int, q_len: int, device) -> torch.Tensor | None:
+    """Where each new row of a windowed realtime step starts seeing keys (int32 ``[q_len]``): the start of the
+    first frame in its window, which is the end of the frames before it. None without a window."""
+    starts = getattr(mm_input, WINDOW_STARTS_ATTRIBUTE, None) if mm_input is not None else None
+    frame_ends = getattr(mm_input, FRAME_ENDS_ATTRIBUTE, None) if mm_input is not None else None
+    if starts is None or frame_ends is None or not q_len:
+        return None
+    first_frames = visible_frames_of_rows(starts, text_offset, q_len).to(device)
+    return encoder_boundaries_from_visible_frames(first_frames, frame_ends.clamp(min=0))
+
+
 @dataclass
 class ForwardAttentionMetadata:
     """What every attention layer of one forward needs, per request in batch order.
 
     ``cross_boundaries[i]`` is None when request i's new rows see every frame (decode, no visibility data,
     no encoder, no new rows), else int32 ``[extend_lens[i]]``: row r sees encoder keys ``[0, boundary_r)``.
-    ``plans[i]`` is its block plan (None exactly when the boundaries are).
+    ``plans[i]`` is its block plan (None exactly when the boundaries are). ``cross_lower[i]`` (a realtime step
+    with a frame window) is None or int32 ``[extend_lens[i]]``: row r sees keys ``[lower_r, boundary_r)``.
     """
 
     extend_lens: list[int]
@@ -88,6 +103,7 @@ class ForwardAttentionMetadata:
     # None (for the batch or one request): ``addressing.row_len(encoder_len)`` slots, band-major.
     encoder_rows: list[int | None] | None = None
     slot_major: list[bool] | None = None
+    cross_lower: list[torch.Tensor | None] | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -173,6 +189,15 @@ class ForwardAttentionMetadata:
         self.encoder_rows, self.slot_major = list(encoder_rows), list(slot_major)
         return self
 
+    def with_lower_bounds(self, lowers) -> "ForwardAttentionMetadata":
+        """Per request, where its rows start seeing keys (None, or all zero: the encoder's start)."""
+        lowers = [None if b is None or not bool(b.any()) else b for b in lowers]
+        self.cross_lower = lowers if any(b is not None for b in lowers) else None
+        return self
+
+    def has_lower(self, index: int) -> bool:
+        return self.cross_lower is not None and self.cross_lower[index] is not None
+
     def cached(self, key, build):
         """``build()`` once per forward under ``key``; every later layer gets the same object."""
         if key not in self._cache:
@@ -190,6 +215,7 @@ class ForwardAttentionMetadata:
             self.device,
             None if self.encoder_rows is None else [self.encoder_rows[index]],
             None if self.slot_major is None else [self.slot_major[index]],
+            None if self.cross_lower is None else [self.cross_lower[index]],
         )
 
 
@@ -224,7 +250,7 @@ def metadata_of_forward_batch(forward_batch) -> ForwardAttentionMetadata:
                 forward_batch.cross_attention_custom_mask,
                 device,
             )
-        attach(forward_batch, _with_forward_encoder_rows(metadata, forward_batch))
+        attach(forward_batch, _with_realtime_rows(metadata, forward_batch))
     return metadata
 
 
@@ -233,12 +259,20 @@ def metadata_of_forward_batch(forward_batch) -> ForwardAttentionMetadata:
 ENCODER_ROWS_ATTRIBUTE = "mossvl_encoder_rows"
 
 
-def _with_forward_encoder_rows(metadata: ForwardAttentionMetadata, forward_batch) -> ForwardAttentionMetadata:
+def _with_realtime_rows(metadata: ForwardAttentionMetadata, forward_batch) -> ForwardAttentionMetadata:
+    """The realtime steps' encoder rows and, with a frame window, where their rows start seeing keys."""
     mm_inputs = forward_batch.mm_inputs or []
     rows = [getattr(mm, ENCODER_ROWS_ATTRIBUTE, None) if mm is not None else None for mm in mm_inputs]
     if not any(r is not None for r in rows):
         return metadata
-    return metadata.with_encoder_rows(rows, [r is not None for r in rows])
+    metadata.with_encoder_rows(rows, [r is not None for r in rows])
+    if any(getattr(mm, WINDOW_STARTS_ATTRIBUTE, None) is not None for mm in mm_inputs):
+        lowers = [
+            request_row_lower_bounds(mm, prefix, q_len, metadata.device)
+            for mm, prefix, q_len in zip(mm_inputs, metadata.prefix_lens, metadata.extend_lens)
+        ]
+        metadata.with_lower_bounds(lowers)
+    return metadata
 
 
 def _seq_lens_list(forward_batch) -> list[int]:
@@ -260,7 +294,7 @@ def metadata_from_visible_frames(forward_batch, spatial_merge_size: int) -> Forw
     encoder_lens = _encoder_lens_list(forward_batch)
     if forward_batch.forward_mode.is_decode():
         metadata = ForwardAttentionMetadata.for_decode(_seq_lens_list(forward_batch), encoder_lens, device)
-        return _with_forward_encoder_rows(metadata, forward_batch)
+        return _with_realtime_rows(metadata, forward_batch)
     extend_lens = list(forward_batch.extend_seq_lens_cpu)
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
     boundaries = []
@@ -273,4 +307,4 @@ def metadata_from_visible_frames(forward_batch, spatial_merge_size: int) -> Forw
             request_row_boundaries(mm_input, prefix_len, extend_len, encoder_len, spatial_merge_size, device)
         )
     metadata = ForwardAttentionMetadata.build(extend_lens, prefix_lens, encoder_lens, boundaries, device)
-    return _with_forward_encoder_rows(metadata, forward_batch)
+    return _with_realtime_rows(metadata, forward_batch)
