@@ -10,10 +10,11 @@ is driven without the WebSocket layer (tested on its own in `test_realtime_proto
 import asyncio
 
 import pytest
+import torch
 from transformers import AutoProcessor
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
-from support.realtime import TURN_LIMIT, noise_image, reference_generated
+from support.realtime import SCRIPTS, TURN_LIMIT, noise_image, reference_generated, reference_session
 from support.serving import load_reference
 
 WAIT = 120.0
@@ -31,12 +32,13 @@ def reference_tokens(realtime_checkpoint):
     return reference_generated(model, processor, SCRIPT)
 
 
-async def served_tokens(engine) -> tuple[list[int], list[str]]:
+async def served_session(engine, script=SCRIPT, **config):
+    """(the closed session, the kinds of its outputs) of ``script`` on the in-process engine."""
     from mossvl_ascend.realtime.engine import ServedRealtimeEngine
     from mossvl_ascend.realtime.session_api import Frame, SessionConfig
 
     session = await ServedRealtimeEngine(lambda: engine.tokenizer_manager).open(
-        SessionConfig(max_new_tokens=TURN_LIMIT)
+        SessionConfig(max_new_tokens=TURN_LIMIT, **config)
     )
     kinds = []
 
@@ -49,34 +51,39 @@ async def served_tokens(engine) -> tuple[list[int], list[str]]:
                 return
 
     await settle()
-    for action in SCRIPT:
+    for action in script:
         if action[0] == "frame":
             session.push_frame(Frame(noise_image(action[2]), action[1]))
         else:
             session.push_prompt(action[1])
         await settle()
     await session.close()
-    return list(session.generated), kinds
+    return session, kinds
 
 
-def test_one_session_equals_the_reference_stream(realtime_checkpoint, reference_tokens):
+def run_engine(checkpoint, drive, **server_args):
     import sglang
 
+    args = {"max_total_tokens": 4096, "page_size": 1, **server_args}
     engine = sglang.Engine(
-        model_path=str(realtime_checkpoint),
+        model_path=str(checkpoint),
         trust_remote_code=True,
         enable_multimodal=True,
         dtype="float32",
         device="cpu",
-        max_total_tokens=4096,
-        page_size=1,
         disable_overlap_schedule=True,
         sleep_on_idle=True,
+        **args,
     )
     try:
-        tokens, kinds = engine.loop.run_until_complete(served_tokens(engine))
+        return engine.loop.run_until_complete(drive(engine))
     finally:
         engine.shutdown()
+
+
+def test_one_session_equals_the_reference_stream(realtime_checkpoint, reference_tokens):
+    session, kinds = run_engine(realtime_checkpoint, served_session)
+    tokens = list(session.generated)
     silence = AutoProcessor.from_pretrained(
         realtime_checkpoint, trust_remote_code=True
     ).tokenizer.convert_tokens_to_ids("<|silence|>")
@@ -112,3 +119,64 @@ def test_open_refuses_what_the_engine_cannot_carry(pool, context, code):
         asyncio.run(engine.open(SessionConfig()))
     assert refused.value.code == code
     assert not engine.sessions
+
+
+WINDOW_S = 1.0
+WINDOW_SCRIPT = (*SCRIPTS["six_frames_2fps"], ("prompt", "What moved?"), ("frame", 3.0, 30), ("frame", 3.5, 31))
+
+
+def reference_logprobs(session) -> list[float]:
+    """Each chosen token's log-probability under the reference's generation mask (what the served session's
+    logit bias masks)."""
+    tokenizer = session.tokenizer
+    masked = sorted(session.control_ids - {session.silence_id})
+    values = []
+    for (_, logits), token in zip(session.step_logits, session.generated, strict=True):
+        logits = logits.double().clone()
+        logits[masked] = float("-inf")
+        logits[len(tokenizer) :] = float("-inf")
+        values.append(float(torch.log_softmax(logits, dim=-1)[token]))
+    return values
+
+
+def test_a_windowed_session_equals_the_reference_log_probabilities(realtime_checkpoint):
+    """With a 1 s frame window at page 8, chunked prefill 8 (a page holds under 2 frames, so evicted pages are
+    given back and kept pages hold evicted keys): every token and its log-probability equal the reference stream
+    with the same window. The tiny model's greedy tokens do not change with the window, its log-probabilities do:
+    they differ from the unwindowed reference's by more than the tolerance, so a window ignored fails."""
+    model, processor = load_reference(realtime_checkpoint)
+    windowed = reference_session(model, processor, WINDOW_SCRIPT, WINDOW_S, record_logits=True)
+    unwindowed = reference_session(model, processor, WINDOW_SCRIPT, None, record_logits=True)
+    expected, without = reference_logprobs(windowed), reference_logprobs(unwindowed)
+    del model
+    session, _ = run_engine(
+        realtime_checkpoint,
+        lambda engine: served_session(engine, WINDOW_SCRIPT, return_logprob=True, frame_window_s=WINDOW_S),
+        page_size=8,
+        chunked_prefill_size=8,
+    )
+    assert list(session.generated) == list(windowed.generated)
+    served = torch.tensor(session.logprobs, dtype=torch.float64)
+    torch.testing.assert_close(served, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-4)
+    assert max(abs(a - b) for a, b in zip(expected, without)) > 1e-3
+
+
+def test_a_pool_smaller_than_a_context_refuses_a_session(realtime_checkpoint):
+    """On an engine whose KV pool (1024 tokens) cannot hold one context (4096), opening a session is refused with
+    `insufficient_kv_capacity`, read from the scheduler's own start-up report."""
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+    from mossvl_ascend.realtime.session_api import RealtimeError, SessionConfig
+
+    async def refused_open(engine, info):
+        realtime = ServedRealtimeEngine(lambda: engine.tokenizer_manager, lambda: info)
+        with pytest.raises(RealtimeError) as refused:
+            await realtime.open(SessionConfig())
+        return refused.value, info, realtime.sessions
+
+    def drive(engine):
+        return refused_open(engine, engine.get_server_info())
+
+    error, info, sessions = run_engine(realtime_checkpoint, drive, max_total_tokens=1024, context_length=4096)
+    assert info["max_total_num_tokens"] < 4096
+    assert error.code == "insufficient_kv_capacity" and "4096" in error.message
+    assert not sessions

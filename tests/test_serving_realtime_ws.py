@@ -5,6 +5,9 @@ Per session: each turn's text (its deltas joined) equals the reference's tokens 
 one `response.turn.silence` per reference turn. Per step, from the scheduler's log: only the new frames went through the
 vision tower and the extend held only the step's rows (so a silent re-prefill fails). After the sessions close the KV
 pool is idle (`/v1/loads`). An ordinary OpenAI request runs alongside and still equals the reference model.
+
+With a frame window (`MOSSVL_REALTIME_FRAME_WINDOW_S`) the oracle is the reference stream with the same window, and a
+300-frame stream must hold no more encoder slots than its window's frames need (whole pages).
 """
 
 import asyncio
@@ -16,6 +19,7 @@ import pytest
 import requests
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
+from mossvl_ascend.realtime.engine import FRAME_WINDOW_ENV
 from serving.launch import SglangServer
 from serving.realtime_client import RealtimeClient
 from support.realtime import (
@@ -40,7 +44,11 @@ CONFIGS = {
     "page1-noradix-chunk8-mixed": ["--disable-radix-cache", "--chunked-prefill-size", "8", "--enable-mixed-chunk"],
     # Two data-parallel ranks: every step of a session must reach the rank that holds its KV.
     "dp2-page128": ["--dp-size", "2", "--page-size", "128"],
+    # A 1 s frame window: the 2 fps scripts evict frames, and a page of 8 slots (under 2 tiny frames) is given back
+    # while the page it shares with the window's first frame keeps evicted keys the rows must not see.
+    "window1s-page8-chunk8": ["--page-size", "8", "--chunked-prefill-size", "8"],
 }
+WINDOWS = {"window1s-page8-chunk8": 1.0}
 # An image question with its own system turn: the realtime checkpoint's chat template adds its realtime system
 # prompt to a conversation without one, sglang's "moss-vl" template does not.
 ALONGSIDE = [{"role": "system", "content": "Answer briefly."}, *CASES["image_data_url"]]
@@ -55,7 +63,10 @@ def checkpoint():
 def reference(checkpoint):
     """Computed before any server starts (the reference runs alone on the CPU)."""
     model, processor = load_reference(checkpoint)
-    streams = {name: reference_generated(model, processor, script) for name, script in SCRIPTS.items()}
+    streams = {
+        window: {name: reference_generated(model, processor, script, window) for name, script in SCRIPTS.items()}
+        for window in {None, *WINDOWS.values()}
+    }
     ordinary = reference_ids(model, processor, ALONGSIDE)[1]
     return {"streams": streams, "ordinary": ordinary, "tokenizer": processor.tokenizer}
 
@@ -83,7 +94,10 @@ async def all_sessions(url: str) -> dict:
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config):
+def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config, monkeypatch):
+    window = WINDOWS.get(config)
+    if window is not None:
+        monkeypatch.setenv(FRAME_WINDOW_ENV, str(window))
     extra = ["--dtype", "float32", "--max-total-tokens", "6000", "--context-length", "4096", *CONFIGS[config]]
     with SglangServer(checkpoint, extra_args=extra, name=f"realtime-{config}") as server:
         url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
@@ -95,8 +109,10 @@ def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config
         idle = wait_until_idle(server)
         log = server.log_path.read_text()
     tokenizer = reference["tokenizer"]
+    if window is not None:
+        assert "left the window" in log
     for name, session in sessions.items():
-        tokens = reference["streams"][name]
+        tokens = reference["streams"][window][name]
         assert served_turn_texts(session) == turn_texts(tokenizer, tokens), name
         silence = tokenizer.convert_tokens_to_ids("<|silence|>")
         assert session.count("response.turn.silence") == tokens.count(silence) == len(SCRIPTS[name]) + 1, name
@@ -173,7 +189,7 @@ def test_refusal_disconnect_and_bad_inputs(checkpoint, reference):
         log = server.log_path.read_text()
     assert result["refusal"] is not None and "session_capacity_exceeded" in result["refusal"]
     assert [error["code"] for error in result["errors"]] == ["invalid_request"] * 3
-    tokens = reference["streams"]["six_frames_2fps"]
+    tokens = reference["streams"][None]["six_frames_2fps"]
     assert served_turn_texts(result["victim"]) == turn_texts(reference["tokenizer"], tokens)
     assert idle["num_used_tokens"] == 0, idle
     assert log.count("realtime session") >= 3 and "closed:" in log
@@ -224,5 +240,61 @@ def test_memory_pressure_aborts_a_session_and_the_others_go_on(checkpoint, refer
         if errors:
             assert client.count("session.done") == 1, name
         else:
-            assert served_turn_texts(client) == turn_texts(reference["tokenizer"], reference["streams"][name]), name
+            assert served_turn_texts(client) == turn_texts(reference["tokenizer"], reference["streams"][None][name]), (
+                name
+            )
     assert idle["num_used_tokens"] == 0, idle
+
+
+LONG_STREAM_FRAMES = 300
+WINDOW_FRAMES = 20
+HOLDS = re.compile(r"session holds (\d+) encoder \+ (\d+) text rows")
+
+
+async def long_stream(url: str, server) -> dict:
+    """300 frames at 1 fps; the pool's use read while the session is parked after the last one."""
+    client = RealtimeClient(url)
+    await client.open(max_new_tokens=TURN_LIMIT, temperature=0.0)
+    await client.settle()
+    for index in range(LONG_STREAM_FRAMES):
+        await client.settle(await client.frame(noise_image(1000 + index), float(index)))
+    used = requests.get(f"{server.base_url}/v1/loads", timeout=30).json()["loads"][0]["num_used_tokens"]
+    await client.close()
+    return {"client": client, "used": used}
+
+
+@pytest.fixture(scope="module")
+def long_reference(checkpoint):
+    """The reference stream of the 300-frame script with the window, and the vision tokens of one frame."""
+    model, processor = load_reference(checkpoint)
+    script = tuple(("frame", float(i), 1000 + i) for i in range(LONG_STREAM_FRAMES))
+    tokens = reference_generated(model, processor, script, WINDOW_FRAMES - 0.5)
+    image_processor = processor.image_processor
+    _, grid = image_processor.patchify_frames([noise_image(0)], image_processor.video_max_pixels)
+    merge = model.config.vision_config.spatial_merge_size
+    return {"tokens": tokens, "frame_tokens": grid[1] * grid[2] // merge**2 + 1, "tokenizer": processor.tokenizer}
+
+
+@pytest.mark.parametrize("page", [1, 128])
+def test_a_long_stream_holds_only_its_window(checkpoint, long_reference, page, monkeypatch):
+    """A 300-frame stream with a 20-frame window (19.5 s at 1 fps): its output equals the reference stream with
+    that window, and parked after the last frame it holds its window's vision slots (at page 1 exactly; at page 128
+    rounded out to whole pages at both ends) plus its text; without the window the frames alone would need 1500.
+    One band per slot on the tiny checkpoint (2 self-attention and 2 cross-attention layers)."""
+    monkeypatch.setenv(FRAME_WINDOW_ENV, str(WINDOW_FRAMES - 0.5))
+    extra = ["--dtype", "float32", "--max-total-tokens", "12000", "--context-length", "8192", "--page-size", str(page)]
+    with SglangServer(checkpoint, extra_args=extra, name=f"realtime-long-window-page{page}") as server:
+        url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
+        result = asyncio.run(long_stream(url, server))
+        idle = wait_until_idle(server)
+        log = server.log_path.read_text()
+    assert served_turn_texts(result["client"]) == turn_texts(long_reference["tokenizer"], long_reference["tokens"])
+    encoder_rows, text_rows = map(int, HOLDS.findall(log)[-1])
+    window_slots = WINDOW_FRAMES * long_reference["frame_tokens"]
+    if page == 1:
+        assert encoder_rows == window_slots
+    else:
+        assert encoder_rows <= -(-window_slots // page) * page + page, encoder_rows
+    assert LONG_STREAM_FRAMES * long_reference["frame_tokens"] > encoder_rows + 2 * page
+    assert result["used"] <= encoder_rows + -(-(text_rows + 1) // page) * page, result["used"]
+    assert all(load["num_used_tokens"] == 0 for load in idle), idle

@@ -54,9 +54,16 @@ def frames_of(action) -> int:
     return 0 if action[0] == "prompt" else 1
 
 
-def reference_generated(model, processor, script) -> list[int]:
-    """Every token the reference stream chose for ``script``."""
-    session = model.create_realtime_session(processor, max_new_tokens=TURN_LIMIT).start()
+def reference_generated(model, processor, script, frame_window_seconds=None) -> list[int]:
+    """Every token the reference stream chose for ``script`` (with a frame window of that many seconds)."""
+    return list(reference_session(model, processor, script, frame_window_seconds).generated)
+
+
+def reference_session(model, processor, script, frame_window_seconds=None, record_logits=False):
+    """The reference stream driven by ``script``, closed."""
+    session = model.create_realtime_session(
+        processor, max_new_tokens=TURN_LIMIT, frame_window_seconds=frame_window_seconds, record_logits=record_logits
+    ).start()
     try:
         assert session.wait_until_parked(WAIT)
         for action in script:
@@ -69,7 +76,7 @@ def reference_generated(model, processor, script) -> list[int]:
             assert session.wait_until_parked(WAIT)
     finally:
         session.close(WAIT)
-    return list(session.generated)
+    return session
 
 
 def turn_texts(tokenizer, tokens: list[int]) -> list[str]:

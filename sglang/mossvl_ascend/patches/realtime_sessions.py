@@ -16,6 +16,13 @@ slot-major (token ``t``: band ``t % bands`` of encoder slot ``t // bands``), so 
 Only the new frames go through the vision tower; the step's rows see every frame before them (cumulative frame
 ends); MRoPE positions continue from the session's last one.
 
+A frame window (the HTTP side decides, per new frame, the first frame still in the window once it arrives, and
+passes it in the step's ``custom_params``): each row sees the frames from its window's first to the last before it
+(rows before a step's new frame still see the older ones); once the step finishes, the encoder pages holding only
+frames before the window go back to the pool and the row becomes ``[kept encoder | text]`` (the text moves by whole
+pages again). The kept vision tokens are renumbered by the dropped slots times the bands, which slot-major
+addressing allows without moving them.
+
 The realtime step never reads or writes the radix tree (each session pays its own prefill, as in
 sglang-omni-realtime); a ``:close`` request frees the session's slots and its row.
 """
@@ -31,7 +38,7 @@ import torch
 from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.attention.kv_layout import encoder_row_len, slot_major_vision_addresses
-from mossvl_ascend.attention.metadata import ENCODER_ROWS_ATTRIBUTE, FRAME_ENDS_ATTRIBUTE
+from mossvl_ascend.attention.metadata import ENCODER_ROWS_ATTRIBUTE, FRAME_ENDS_ATTRIBUTE, WINDOW_STARTS_ATTRIBUTE
 from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
 
 logger = logging.getLogger(__name__)
@@ -42,6 +49,8 @@ INTERRUPT_MESSAGE = "mossvl-realtime-interrupt"
 CLOSE_STEP = "close"
 # On a step's MultimodalInputs: the session it belongs to, the vision tokens before it, its new vision tokens.
 SESSION_ATTRIBUTE = "mossvl_realtime_session"
+# In a windowed step's sampling ``custom_params``: per new frame, the first frame still in the window after it.
+WINDOW_STARTS_PARAM = "mossvl_window_starts"
 
 
 def step_rid(session_id: str, step: int | str) -> str:
@@ -69,40 +78,62 @@ def frame_block_positions(start: int, rows: int, cols: int) -> tuple[torch.Tenso
 
 @dataclass
 class StepPlan:
-    """What one step adds: its rows (token ids), their positions and visible frames, its new vision tokens."""
+    """What one step adds: its rows (token ids), their positions and visible frames (the frames from
+    ``first_frames`` to ``visible_frames``), its new vision tokens."""
 
     rows: list[int]
     positions: torch.Tensor  # int64 [3, rows]
     visible_frames: torch.Tensor  # int32 [rows]
+    first_frames: torch.Tensor  # int32 [rows]
+    window_start: int  # the first frame in the window after the step
     vision_positions: Optional[torch.Tensor]  # int64 [3, new vision tokens]
     frame_lens: list[int]  # vision tokens (separator included) of each new frame
     next_position: int
 
 
 def plan_step(
-    rows: list[int], grids: list[tuple[int, int]], image_token_id: int, start_position: int, frames_before: int
+    rows: list[int],
+    grids: list[tuple[int, int]],
+    image_token_id: int,
+    start_position: int,
+    frames_before: int,
+    window_start: int = 0,
+    window_starts: Optional[list[int]] = None,
 ) -> StepPlan:
     """Positions and visibility of a step's rows. ``grids``: merged (rows, cols) of each new frame, in the order of
-    the ``<|image_pad|>`` tokens in ``rows``; a row sees every frame whose pad is at or before it."""
+    the ``<|image_pad|>`` tokens in ``rows``; a row sees every frame whose pad is at or before it, from the window's
+    first frame (``window_start`` before the step, ``window_starts[j]`` from new frame j's pad on)."""
     if sum(token == image_token_id for token in rows) != len(grids):
         raise ValueError(f"{len(grids)} frames for a step with a different number of <|image_pad|> tokens")
-    positions, visible, vision, lens = [], [], [], []
-    position, frames, pending = start_position, frames_before, iter(grids)
+    starts = list(window_starts) if window_starts is not None else [window_start] * len(grids)
+    if len(starts) != len(grids) or any(
+        not (earlier <= start <= frames_before + j)
+        for j, (earlier, start) in enumerate(zip([window_start, *starts], starts))
+    ):
+        raise ValueError(
+            f"window starts {starts} for {len(grids)} new frames after {frames_before} (window at {window_start}): "
+            "each must keep its own frame and never move back"
+        )
+    positions, visible, first, vision, lens = [], [], [], [], []
+    position, frames, pending, window = start_position, frames_before, iter(grids), iter(starts)
     for token in rows:
         if token == image_token_id:
             block, last = frame_block_positions(position, *next(pending))
             vision.append(block)
             lens.append(block.shape[1])
             positions.append(last)
-            position, frames = last + 1, frames + 1
+            position, frames, window_start = last + 1, frames + 1, next(window)
         else:
             positions.append(position)
             position += 1
         visible.append(frames)
+        first.append(window_start)
     return StepPlan(
         rows=list(rows),
         positions=torch.tensor(positions, dtype=torch.int64).expand(3, -1).clone(),
         visible_frames=torch.tensor(visible, dtype=torch.int32),
+        first_frames=torch.tensor(first, dtype=torch.int32),
+        window_start=window_start,
         vision_positions=torch.cat(vision, dim=1) if vision else None,
         frame_lens=lens,
         next_position=position,
@@ -116,8 +147,11 @@ class Stream:
     session_id: str
     slot: Any = None  # stock SessionSlot holding the kept KV record (None before the first step finished)
     encoder_rows: int = 0  # row entries in front of the text (whole pages)
-    vision_tokens: int = 0
-    frame_ends: list[int] = field(default_factory=list)
+    vision_tokens: int = 0  # in the encoder row (numbered from its first slot)
+    frame_ends: list[int] = field(default_factory=list)  # every frame's, counting the dropped vision tokens
+    windowed: bool = False  # a frame window is on (its steps carry window starts)
+    window_start: int = 0  # the first frame in the window
+    dropped_tokens: int = 0  # vision tokens the window gave back (whole encoder pages) from the front
     text_ids: list[int] = field(default_factory=list)  # rows whose K/V are in the pool
     pending: list[int] = field(default_factory=list)  # the last generated token (its K/V not computed yet)
     positions: torch.Tensor = field(default_factory=lambda: torch.zeros(3, 0, dtype=torch.int64))
@@ -185,8 +219,18 @@ def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
         grids = [(int(h) // merge, int(w) // merge) for _, h, w in grid.tolist()]
         stream.pad_value = mm.mm_items[0].pad_value
     image_token_id = scheduler.model_config.hf_config.image_token_id
+    window_starts = (req.sampling_params.custom_params or {}).get(WINDOW_STARTS_PARAM)
+    stream.windowed = stream.windowed or window_starts is not None
     try:
-        plan = plan_step(stream.pending + new_rows, grids, image_token_id, stream.next_position, len(stream.frame_ends))
+        plan = plan_step(
+            stream.pending + new_rows,
+            grids,
+            image_token_id,
+            stream.next_position,
+            len(stream.frame_ends),
+            stream.window_start,
+            window_starts if grids else None,
+        )
     except ValueError as error:
         req.set_finish_with_abort(str(error))
         return
@@ -213,6 +257,8 @@ def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
     ids.extend(plan.rows)
     req.origin_input_ids = ids
     req.origin_input_ids_unpadded = ids
+    if req.return_logprob:  # the generated tokens' only: stock counted from the step's own ids
+        req.logprob_start_len = len(ids)
     req.skip_radix_cache_insert = True
     mm.num_image_tokens = encoder_rows or None
     setattr(mm, "mossvl_vision_tokens", vision_tokens)
@@ -221,10 +267,14 @@ def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
     frame_ends = list(stream.frame_ends)
     for length in plan.frame_lens:
         frame_ends.append((frame_ends[-1] if frame_ends else 0) + length)
-    setattr(mm, FRAME_ENDS_ATTRIBUTE, torch.tensor(frame_ends, dtype=torch.int64))
+    setattr(mm, FRAME_ENDS_ATTRIBUTE, torch.tensor(frame_ends, dtype=torch.int64) - stream.dropped_tokens)
     visible = torch.zeros(text_rows, dtype=torch.int32)
     visible[len(stream.text_ids) :] = plan.visible_frames
     mm.visible_frame_counts = visible
+    if stream.windowed:
+        first = torch.zeros(text_rows, dtype=torch.int32)
+        first[len(stream.text_ids) :] = plan.first_frames
+        setattr(mm, WINDOW_STARTS_ATTRIBUTE, first)
     mm.mrope_positions = torch.cat((stream.positions, plan.positions), dim=1)
     mm.mrope_position_delta = torch.tensor([[plan.next_position - text_rows]], dtype=torch.int64)
     mm.vision_position_ids = plan.vision_positions
@@ -333,6 +383,8 @@ def keep_step_kv(original: Callable, session, req) -> bool:
         stream.frame_ends.append((stream.frame_ends[-1] if stream.frame_ends else 0) + length)
     stream.frames_encoded += len(step.plan.frame_lens)
     stream.rows_extended += len(step.plan.rows)
+    stream.window_start = step.plan.window_start
+    _drop_pages_before_window(cache, stream)
     logger.info(
         "realtime step %s: extended %d rows, %d new frames through the vision tower (%d vision tokens), "
         "generated %d; session holds %d encoder + %d text rows",
@@ -346,6 +398,32 @@ def keep_step_kv(original: Callable, session, req) -> bool:
     )
     stream.step = None
     return True
+
+
+def _drop_pages_before_window(cache, stream: Stream) -> None:
+    """Give back the whole encoder pages that hold only frames before the window; the row becomes ``[kept encoder |
+    text]``, the text moving by whole pages (each slot keeps its page offset). Kept vision tokens are numbered
+    from the row's new first slot (slot-major: token ``t`` moves to ``t - dropped slots * bands``)."""
+    bands, page = _bands_and_page(cache)
+    first_kept = (stream.frame_ends[stream.window_start - 1] if stream.window_start else 0) - stream.dropped_tokens
+    drop = first_kept // bands // page * page
+    if drop <= 0:
+        return
+    kv = stream.slot.kv
+    committed = kv.kv_committed_len
+    cache.free_kv_row(kv, [(0, drop)])
+    row = cache.req_to_token_pool.req_to_token[kv.req_pool_idx]
+    row[: committed - drop] = row[drop:committed].clone()
+    kv.kv_committed_len = kv.kv_allocated_len = committed - drop
+    stream.encoder_rows -= drop
+    stream.vision_tokens -= drop * bands
+    stream.dropped_tokens += drop * bands
+    logger.info(
+        "realtime session %s: frames before %d left the window, %d encoder slots freed",
+        stream.session_id,
+        stream.window_start,
+        drop,
+    )
 
 
 def skip_step_checkpoint(original: Callable, session, req, *args: Any, **kwargs: Any) -> bool:
@@ -478,8 +556,9 @@ PATCHES = (
         how=(
             "for rid `mossvl-realtime:<session>:<n>`: origin ids `[encoder rows | kept text | last generated token | "
             "new rows]`, the encoder grown in whole pages for the new frames, multimodal inputs holding the new "
-            "frames' pixels with every frame's encoder end, per-row visible frames and MRoPE positions that "
-            "continue the session's; `:close` frees the session"
+            "frames' pixels with every frame's encoder end, per-row visible frames (with a frame window, each "
+            "row's first visible frame too) and MRoPE positions that continue the session's; `:close` frees the "
+            "session"
         ),
         upstream="sglang's streaming sessions copy a turn's multimodal inputs from the previous one (no new frames)",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
@@ -508,7 +587,9 @@ PATCHES = (
         why="the next step extends the same sequence; freeing the K/V would force a re-prefill without pixels",
         how=(
             "the record is detached from the request and kept (committed: every row but the last generated token), "
-            "any whole page past it freed; the session's text, positions and frame ends advance. An aborted step "
+            "any whole page past it freed; the session's text, positions and frame ends advance; with a frame "
+            "window the encoder pages holding only frames before it are freed and the row moves down by whole "
+            "pages. An aborted step "
             "frees the whole session; so does a retracted one (memory pressure), which is then aborted: a "
             "session cannot be prefilled again without its frames"
         ),

@@ -8,6 +8,10 @@ frames by timestamp (``<|vision_start|><|time_start|>{ts:.1f} seconds<|time_end|
 generation masks every ``<|...|>`` control token but ``<|silence|>`` and stops a turn on it or at the turn's token
 limit, and the session parks until input arrives. Each segment is one engine step (one request whose rows are the
 segment, behind the token generated last); the scheduler keeps the K/V between steps.
+
+A frame window (server-wide, ``MOSSVL_REALTIME_FRAME_WINDOW_S`` seconds; off when unset): when a frame stamped t
+arrives, the frames stamped before t - W leave the window (the reference stream's rule); each windowed step tells
+the scheduler, per new frame, the first frame still in the window, and the scheduler gives the rest back.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import re
 import sys
 import uuid
 from typing import Optional
 
-from mossvl_ascend.patches.realtime_sessions import CLOSE_STEP, INTERRUPT_MESSAGE, step_rid
+from mossvl_ascend.patches.realtime_sessions import CLOSE_STEP, INTERRUPT_MESSAGE, WINDOW_STARTS_PARAM, step_rid
 from mossvl_ascend.realtime.session_api import (
     CLOSED,
     ERROR,
@@ -39,6 +44,7 @@ from mossvl_ascend.realtime.session_api import (
 logger = logging.getLogger(__name__)
 
 SILENCE_TOKEN = "<|silence|>"
+FRAME_WINDOW_ENV = "MOSSVL_REALTIME_FRAME_WINDOW_S"
 CONTROL_TOKEN = re.compile(r"^<\|[^|]+\|>$")
 
 # Pixels of each step's new frames, from the session (this process) to the MOSS-VL processor hook (this process).
@@ -58,6 +64,20 @@ def frame_markup(timestamp: float) -> str:
     return f"<|vision_start|><|time_start|>{timestamp:.1f} seconds<|time_end|><|image_pad|><|vision_end|>"
 
 
+def frame_window_from_env() -> Optional[float]:
+    """The server's frame window in seconds (``MOSSVL_REALTIME_FRAME_WINDOW_S``), None when unset."""
+    value = os.environ.get(FRAME_WINDOW_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ValueError(f"{FRAME_WINDOW_ENV}={value!r}: the frame window must be a positive number of seconds")
+    return seconds
+
+
 class ServedRealtimeEngine:
     """Opens :class:`ServedSession` s on the tokenizer manager of this server. ``scheduler_info_of``: the
     scheduler's start-up report (pool size, request cap), for the checks at open."""
@@ -66,13 +86,24 @@ class ServedRealtimeEngine:
         self._tokenizer_manager_of = tokenizer_manager_of
         self._scheduler_info_of = scheduler_info_of
         self.sessions: dict[str, "ServedSession"] = {}
+        self.frame_window_s = frame_window_from_env()
+        logger.info(
+            "realtime frame window: %s",
+            f"{self.frame_window_s} s ({FRAME_WINDOW_ENV})"
+            if self.frame_window_s
+            else f"off ({FRAME_WINDOW_ENV} unset)",
+        )
 
     @property
     def tokenizer_manager(self):
         return self._tokenizer_manager_of()
 
     def capabilities(self) -> dict:
-        return {"model": "moss-vl-realtime", "page_size": self.tokenizer_manager.server_args.page_size}
+        return {
+            "model": "moss-vl-realtime",
+            "page_size": self.tokenizer_manager.server_args.page_size,
+            "frame_window_s": self.frame_window_s,
+        }
 
     async def open(self, config: SessionConfig) -> "ServedSession":
         manager = self.tokenizer_manager
@@ -123,10 +154,15 @@ class ServedSession:
         self.steps = itertools.count()
         self.turn_id = 0
         self.generated: list[int] = []  # every token the model chose (tests compare it with the reference's)
+        self.logprobs: list[float] = []  # with config.return_logprob: each chosen token's log-probability
         self.running_rid: Optional[str] = None
         # Every step of a session runs on the data-parallel rank that holds its KV.
         dp_size = getattr(manager.server_args, "dp_size", 1) or 1
         self.dp_rank = int(self.session_id, 16) % dp_size if dp_size > 1 else None
+        window = config.frame_window_s if config.frame_window_s is not None else engine.frame_window_s
+        self.frame_window_s: Optional[float] = window
+        self.frame_times: list[float] = []  # every frame's timestamp, in stream order
+        self.window_start = 0  # the first frame still in the window
         self.text_run: list[int] = []  # this turn's tokens, decoded together (a character may span tokens)
         self.text_emitted = ""
         self.task: Optional[asyncio.Task] = None
@@ -260,8 +296,9 @@ class ServedSession:
         request = GenerateReqInput(
             rid=rid,
             input_ids=rows,
-            sampling_params=self._sampling(max(1, allowance)),
+            sampling_params=self._sampling(max(1, allowance), self._window_starts(frames)),
             stream=True,
+            return_logprob=self.config.return_logprob,
             data_parallel_rank=self.dp_rank,
         )
         seen, interrupted = 0, False
@@ -277,6 +314,9 @@ class ServedSession:
                         self.outputs.put_nowait(Output(PROCESSED, seq_no=seq_no))
                 new, seen = ids[seen:], len(ids)
                 self.generated.extend(new)
+                if self.config.return_logprob:
+                    logprobs = chunk["meta_info"]["output_token_logprobs"]
+                    self.logprobs.extend(entry[0] for entry in logprobs[len(logprobs) - len(new) :])
                 self._emit_text(new)
                 finish = chunk.get("meta_info", {}).get("finish_reason")
                 if isinstance(finish, dict) and finish.get("type") == "abort":
@@ -293,6 +333,19 @@ class ServedSession:
         # An interrupt that lost the race with the turn's own end (silence, the limit) changed nothing.
         interrupted = interrupted and last != self.silence_id and seen < allowance
         return last, seen, interrupted
+
+    def _window_starts(self, frames: list[Frame]) -> Optional[list[int]]:
+        """Per new frame, the first frame still in the window once it arrived (frames stamped more than the window
+        before it have left); None without a window."""
+        if self.frame_window_s is None or not frames:
+            return None
+        starts = []
+        for frame in frames:
+            self.frame_times.append(frame.timestamp)
+            while self.frame_times[self.window_start] < frame.timestamp - self.frame_window_s:
+                self.window_start += 1
+            starts.append(self.window_start)
+        return starts
 
     def _emit_text(self, new: list[int]) -> None:
         """Text deltas as the turn's text decodes (an incomplete UTF-8 sequence is held back); <|silence|> hidden
@@ -318,8 +371,8 @@ class ServedSession:
         if piece:
             self.outputs.put_nowait(Output(TEXT, text=piece, turn_id=self.turn_id))
 
-    def _sampling(self, max_new_tokens: int) -> dict:
-        return {
+    def _sampling(self, max_new_tokens: int, window_starts: Optional[list[int]] = None) -> dict:
+        sampling = {
             "max_new_tokens": max_new_tokens,
             "temperature": self.config.temperature,
             "top_p": self.config.top_p,
@@ -328,6 +381,9 @@ class ServedSession:
             "skip_special_tokens": False,
             "no_stop_trim": True,
         }
+        if window_starts is not None:
+            sampling["custom_params"] = {WINDOW_STARTS_PARAM: window_starts}
+        return sampling
 
     async def _finish_step_request(self, rid: str, rows: list[int]) -> None:
         """The ``:close`` request: the scheduler frees the session's slots and row and aborts the request."""
