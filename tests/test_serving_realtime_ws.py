@@ -146,8 +146,9 @@ def wait_until_idle(server, timeout_s: float = 60.0) -> list[dict]:
 
 
 async def faults(url: str, script) -> dict:
-    """Three sessions (the cap), a fourth refused; one disconnects right after a frame; one gets bad inputs
-    between its script's steps and must still equal the reference."""
+    """Three sessions (the cap), a fourth refused; one disconnects right after a frame; one gets bad inputs (a
+    `seq_no` gap, a timestamp going back, an unknown event, a malformed frame) between its script's steps and must
+    still equal the reference."""
     keep = [RealtimeClient(url) for _ in range(3)]
     for client in keep:
         await client.open(max_new_tokens=TURN_LIMIT, temperature=0.0)
@@ -172,6 +173,12 @@ async def faults(url: str, script) -> dict:
             errors.append(await victim.wait_for("error", start=len(victim.events) - 1))
             await victim.send({"type": "no.such.event"})
             errors.append(await victim.wait_for("error", start=len(victim.events) - 1))
+            # A malformed frame: its metadata in order, then bytes that are no image (its seq_no stays free).
+            meta = {"type": "input.frame", "seq_no": victim.next_seq_no, "timestamp": 0.0, "mime_type": "image/png"}
+            await victim.send(meta)
+            await victim.wait_for("input.frame.ready", seq_no=victim.next_seq_no)
+            await victim.socket.send(b"these bytes are no PNG")
+            errors.append(await victim.wait_for("error", start=len(victim.events) - 1))
         seq_no = await victim.frame(noise_image(action[2]), action[1])
         await victim.settle(seq_no)
     await victim.close()
@@ -188,7 +195,7 @@ def test_refusal_disconnect_and_bad_inputs(checkpoint, reference):
         idle = wait_for_load(server, lambda load: load["num_used_tokens"] == 0, timeout_s=60)
         log = server.log_path.read_text()
     assert result["refusal"] is not None and "session_capacity_exceeded" in result["refusal"]
-    assert [error["code"] for error in result["errors"]] == ["invalid_request"] * 3
+    assert [error["code"] for error in result["errors"]] == ["invalid_request"] * 4
     tokens = reference["streams"][None]["six_frames_2fps"]
     assert served_turn_texts(result["victim"]) == turn_texts(reference["tokenizer"], tokens)
     assert idle["num_used_tokens"] == 0, idle

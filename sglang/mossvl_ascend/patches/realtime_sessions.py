@@ -355,7 +355,12 @@ def keep_step_kv(original: Callable, session, req) -> bool:
         # A retracted step (memory pressure) cannot be prefilled again (its pixels are gone, so are earlier
         # frames'): its session ends, with an error to its client; the other requests go on.
         if retracted:
-            logger.warning("realtime session %s aborted: its step %s was retracted", stream.session_id, req.rid)
+            logger.warning(
+                "realtime session %s aborted: its step %s was retracted (it held %d KV slots)",
+                stream.session_id,
+                req.rid,
+                _held_slots(req),
+            )
             req.set_finish_with_abort(f"realtime session {stream.session_id} evicted under KV memory pressure")
         if stream.slot is None or stream.slot.kv is not req.kv:
             stream.slot = SessionSlot(kv=req.detach_kv())
@@ -475,6 +480,22 @@ def _running_step(req) -> RunningStep | None:
     stream = stream_of(req)
     step = stream.step if stream is not None else None
     return step if step is not None and step.rid == req.rid else None
+
+
+def heaviest_sessions_retracted_first(order: list[int], reqs, *args: Any, **kwargs: Any) -> list[int]:
+    """AFTER ``ScheduleBatch._get_decode_retraction_order`` (request indices, the ones to keep first; retraction
+    pops from the end): ordinary requests, which are queued again and recover, go before any realtime step, whose
+    session cannot be prefilled again and is aborted; among the sessions the one holding the most KV goes first."""
+    held = {i: _held_slots(reqs[i]) for i in order if _running_step(reqs[i]) is not None}
+    if not held:
+        return order
+    ordinary = [i for i in order if i not in held]
+    return sorted(held, key=held.__getitem__) + ordinary
+
+
+def _held_slots(req) -> int:
+    kv = getattr(req, "kv", None)
+    return kv.kv_allocated_len if kv is not None and kv.holds_kv else 0
 
 
 def interrupt_step(original: Callable, scheduler, recv_req, *args: Any, **kwargs: Any):
@@ -610,6 +631,23 @@ PATCHES = (
             "an AbortReq for a realtime step rid whose `abort_message` is the interrupt marker sets the running "
             "request's `to_finish` to a length finish: it ends after its next token like any finished step. Other "
             "aborts (and a step still waiting) go to stock"
+        ),
+        upstream="not in sglang",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
+    Patch(
+        title="MOSS-VL-Realtime: under decode memory pressure the heaviest session goes, after ordinary requests",
+        target="sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order",
+        kind=HookType.AFTER,
+        hook=heaviest_sessions_retracted_first,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "a retracted realtime step ends its session (it cannot be prefilled again without its frames), while a "
+            "retracted ordinary request is queued again; stock orders them alike, by output and input length"
+        ),
+        how=(
+            "the retraction order keeps realtime steps first, lightest session first, then the ordinary requests "
+            "in stock's order, so retraction takes ordinary requests, then the session holding the most KV"
         ),
         upstream="not in sglang",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
