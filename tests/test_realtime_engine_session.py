@@ -1,6 +1,6 @@
 """The engine session's turn logic (`mossvl_ascend.realtime.engine.ServedSession`) and the scheduler's interrupt
-hook, each against a labelled stand-in of the other side (the served tests cannot time a barge-in: the tiny
-checkpoint's turns end on <|silence|> within a few tokens).
+hook, each against a labelled stand-in of the other side, with timed turns (the tiny checkpoint's turns end on
+<|silence|> within a few tokens; `test_serving_realtime.py` barges into a served turn in benchmark mode instead).
 
 STAND-IN: `StreamingManager` plays sglang's tokenizer manager: it streams a scripted token list for each step
 request, one token per `TOKEN_S`, and ends a step after the next token once it receives the interrupt abort (what

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoProcessor
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
-from support.realtime import SCRIPTS, TURN_LIMIT, noise_image, reference_generated, reference_session
+from support.realtime import SCRIPTS, TURN_LIMIT, noise_image, reference_generated, reference_session, replay_mismatches
 from support.serving import load_reference
 
 WAIT = 120.0
@@ -180,3 +180,57 @@ def test_a_pool_smaller_than_a_context_refuses_a_session(realtime_checkpoint):
     assert info["max_total_num_tokens"] < 4096
     assert error.code == "insufficient_kv_capacity" and "4096" in error.message
     assert not sessions
+
+
+async def barge_in_session(engine):
+    """Turns run to their allowance (benchmark mode: `<|silence|>` does not end them), so input lands mid-turn: a
+    prompt pushed as soon as a frame's step has produced its first token interrupts it (barge-in); a frame pushed
+    mid-turn later continues the turn."""
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+    from mossvl_ascend.realtime.session_api import Frame, SessionConfig
+
+    session = await ServedRealtimeEngine(lambda: engine.tokenizer_manager).open(
+        SessionConfig(max_new_tokens=TURN_LIMIT, ignore_eos=True)
+    )
+    kinds = []
+
+    async def until(kind, then=None):
+        while True:
+            output = await asyncio.wait_for(session.outputs.get(), WAIT)
+            kinds.append(output.kind)
+            assert output.kind not in ("error", "closed"), output
+            if output.kind == kind:
+                if then is not None:
+                    then()
+                return
+
+    await until("turn_done")
+    session.push_frame(Frame(noise_image(1), 0.0))
+    await until("text", lambda: session.push_prompt("What moved?"))
+    await until("interrupted")
+    await until("turn_done")
+    session.push_frame(Frame(noise_image(2), 1.0))
+    await until("text", lambda: session.push_frame(Frame(noise_image(3), 1.5)))
+    await until("turn_done")
+    await session.close()
+    return session, kinds
+
+
+def test_a_prompt_barges_into_a_served_turn(realtime_checkpoint):
+    """On the engine, a prompt arriving mid-turn ends the running step at its next token and opens a new turn over
+    the kept KV. Oracle: the session's steps replayed through the reference stream, every token the reference's
+    greedy pick given the same step boundaries (`support.realtime.replay_mismatches`)."""
+    session, kinds = run_engine(realtime_checkpoint, barge_in_session)
+    assert "interrupted" in kinds
+    allowances = [count for _, _, count in session.segments]
+    # initial turn, the frame's step cut short by the prompt, the prompt's turn, two frame steps of one turn
+    assert len(session.segments) == 5, session.segments
+    assert allowances[1] < TURN_LIMIT and allowances[2] == TURN_LIMIT
+    assert allowances[3] + allowances[4] == TURN_LIMIT
+    model, processor = load_reference(realtime_checkpoint)
+    images = {0.0: noise_image(1), 1.0: noise_image(2), 1.5: noise_image(3)}
+    assert replay_mismatches(model, processor, session.segments, session.generated, images) == []
+    # The oracle can fail: one token changed in the prompt's turn is caught.
+    start = sum(allowances[:2])
+    altered = [*session.generated[:start], session.generated[start] + 1, *session.generated[start + 1 :]]
+    assert replay_mismatches(model, processor, session.segments, altered, images)

@@ -107,3 +107,42 @@ def served_turn_texts(client) -> list[str]:
     if current:
         turns.append("".join(current))
     return turns
+
+
+def replay_mismatches(model, processor, segments, generated, images, frame_window_seconds=None) -> list[str]:
+    """Replay a served session's steps through the reference stream (``RealtimeStream``): for each step its rows
+    (behind the last token generated) and frames, then each token it generated. Every generated token must be the
+    reference's greedy pick under the generation mask, whatever step boundaries the served timing made (a barge-in
+    ends a step early). ``segments``: (rows, frame timestamps, number of tokens generated) per step; ``generated``:
+    every generated token in order; ``images``: timestamp -> PIL image. -> the mismatches (none: exact)."""
+    import sys
+
+    import torch
+
+    # The checkpoint's own realtime module (remote code): its stream recognises the model's cross-attention layers.
+    stream = model.create_realtime_session(processor, frame_window_seconds=frame_window_seconds).stream
+    StreamFrame = sys.modules[type(stream).__module__].StreamFrame
+    tokenizer, image_processor = processor.tokenizer, processor.image_processor
+    silence = tokenizer.convert_tokens_to_ids("<|silence|>")
+    control = {i for t, i in tokenizer.get_added_vocab().items() if t.startswith("<|") and t.endswith("|>")}
+    masked = sorted(control - {silence})
+    pending, mismatches, tokens = [], [], iter(generated)
+    for index, (rows, timestamps, count) in enumerate(segments):
+        step_tokens = [next(tokens) for _ in range(count)]
+        frames = []
+        for ts in timestamps:
+            pixels, grid = image_processor.patchify_frames(
+                [images[ts].convert("RGB")], image_processor.video_max_pixels
+            )
+            frames.append(StreamFrame(pixels, grid, ts))
+        logits = stream.append(pending + list(rows), frames)
+        for k, token in enumerate(step_tokens):
+            choice = logits.clone()
+            choice[masked] = float("-inf")
+            choice[len(tokenizer) :] = float("-inf")
+            if int(torch.argmax(choice)) != token:
+                mismatches.append(f"step {index} token {k}: served {token}, reference {int(torch.argmax(choice))}")
+            if k < len(step_tokens) - 1:
+                logits = stream.append([token], [])
+        pending = step_tokens[-1:]
+    return mismatches

@@ -155,6 +155,8 @@ class ServedSession:
         self.turn_id = 0
         self.generated: list[int] = []  # every token the model chose (tests compare it with the reference's)
         self.logprobs: list[float] = []  # with config.return_logprob: each chosen token's log-probability
+        # Every step: its rows, its frames' timestamps, the tokens it generated (enough to replay the stream).
+        self.segments: list[tuple[list[int], list[float], int]] = []
         self.running_rid: Optional[str] = None
         # Every step of a session runs on the data-parallel rank that holds its KV.
         dp_size = getattr(manager.server_args, "dp_size", 1) or 1
@@ -212,11 +214,11 @@ class ServedSession:
                     rows, frames, seq_nos, ready=first, allowance=self.config.max_new_tokens - turn_tokens
                 )
                 first, turn_tokens = False, turn_tokens + generated
-                idle = last == self.silence_id or turn_tokens >= self.config.max_new_tokens
+                idle = self._ends_turn(last) or turn_tokens >= self.config.max_new_tokens
                 if idle or (interrupted and self.prompts):
                     self._flush_text()
                 if idle and not interrupted:
-                    kind = SILENCE if last == self.silence_id else TURN_DONE
+                    kind = SILENCE if self._ends_turn(last) else TURN_DONE
                     self.outputs.put_nowait(Output(kind, turn_id=self.turn_id))
                     await self._wait_for_input()
                 if self.closing:
@@ -329,10 +331,15 @@ class ServedSession:
             _STEP_FRAMES.pop(rid, None)
         if not seen:
             raise RealtimeError("session_aborted", f"step {rid} produced no token")
+        self.segments.append((rows, [frame.timestamp for frame in frames], seen))
         last = self.generated[-1]
         # An interrupt that lost the race with the turn's own end (silence, the limit) changed nothing.
-        interrupted = interrupted and last != self.silence_id and seen < allowance
+        interrupted = interrupted and not self._ends_turn(last) and seen < allowance
         return last, seen, interrupted
+
+    def _ends_turn(self, token: int) -> bool:
+        """``<|silence|>`` ends a turn, except in benchmark mode (``ignore_eos``: a turn runs to its allowance)."""
+        return token == self.silence_id and not self.config.ignore_eos
 
     def _window_starts(self, frames: list[Frame]) -> Optional[list[int]]:
         """Per new frame, the first frame still in the window once it arrived (frames stamped more than the window
@@ -376,7 +383,8 @@ class ServedSession:
             "max_new_tokens": max_new_tokens,
             "temperature": self.config.temperature,
             "top_p": self.config.top_p,
-            "stop_token_ids": [self.silence_id],
+            "stop_token_ids": [] if self.config.ignore_eos else [self.silence_id],
+            "ignore_eos": self.config.ignore_eos,
             "logit_bias": self.logit_bias,
             "skip_special_tokens": False,
             "no_stop_trim": True,
