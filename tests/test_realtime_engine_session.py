@@ -40,6 +40,7 @@ class StreamingManager:
         self.context_len = 4096
         self.server_args = SimpleNamespace(max_running_requests=None)
         self.turns, self.requests, self.interrupts = list(turns), [], set()
+        self.outputs: list[list[int]] = []  # the tokens each step request yielded
 
     def _dispatch_to_scheduler(self, request):
         assert request.abort_message == INTERRUPT_MESSAGE
@@ -61,6 +62,7 @@ class StreamingManager:
             last = stop_after is not None or len(ids) == min(len(tokens), limit)
             yield {"output_ids": list(ids), "meta_info": {"finish_reason": {"type": "length"} if last else None}}
             if last:
+                self.outputs.append(ids)
                 return
 
 
@@ -98,7 +100,8 @@ def test_a_prompt_mid_turn_barges_in_at_the_next_token(processor):
     names = [k[0] for k in kinds]
     assert names.index("interrupted") < names.index("processed"), "the turn closes before the prompt's step runs"
     expected_rows = processor.tokenizer(splice_string("Stop there."), add_special_tokens=False)["input_ids"]
-    assert list(second.input_ids) == expected_rows
+    # the step carries the token generated last (its K/V are not computed yet), then the prompt's rows
+    assert list(second.input_ids) == manager.outputs[0][-1:] + expected_rows
     assert second.sampling_params["max_new_tokens"] == LIMIT, "a prompt opens a turn with a fresh allowance"
     assert kinds[-1][0] == "silence"
 

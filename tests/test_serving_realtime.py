@@ -8,6 +8,7 @@ is driven without the WebSocket layer (tested on its own in `test_realtime_proto
 """
 
 import asyncio
+import statistics
 
 import pytest
 import torch
@@ -234,3 +235,48 @@ def test_a_prompt_barges_into_a_served_turn(realtime_checkpoint):
     start = sum(allowances[:2])
     altered = [*session.generated[:start], session.generated[start] + 1, *session.generated[start + 1 :]]
     assert replay_mismatches(model, processor, session.segments, altered, images)
+
+
+RATE = 10.0
+
+
+async def capped_session(engine):
+    """SCRIPT with a rate cap of 10 tokens per second; the loop time of every text output."""
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+    from mossvl_ascend.realtime.session_api import Frame, SessionConfig
+
+    loop = asyncio.get_running_loop()
+    session = await ServedRealtimeEngine(lambda: engine.tokenizer_manager).open(
+        SessionConfig(max_new_tokens=TURN_LIMIT, max_tokens_per_turn=RATE)
+    )
+    texts = []  # (turn, time) of each text output
+
+    async def settle():
+        while True:
+            output = await asyncio.wait_for(session.outputs.get(), WAIT)
+            assert output.kind not in ("error", "closed"), output
+            if output.kind == "text":
+                texts.append((output.turn_id, loop.time()))
+            if output.kind in ("silence", "turn_done") and not session.pending_inputs:
+                return
+
+    await settle()
+    for action in SCRIPT:
+        if action[0] == "frame":
+            session.push_frame(Frame(noise_image(action[2]), action[1]))
+        else:
+            session.push_prompt(action[1])
+        await settle()
+    await session.close()
+    return session, texts
+
+
+def test_a_rate_cap_paces_each_turn(realtime_checkpoint, reference_tokens):
+    """`max_tokens_per_turn` = 10 tokens/s: every step generates one token, text within a turn comes 1/rate apart
+    (the median gap; each gap at least half of it, a step's own latency varying; uncapped, tokens come one decode
+    step apart, a few ms on the tiny model), and the tokens still equal the reference stream's."""
+    session, texts = run_engine(realtime_checkpoint, capped_session)
+    assert list(session.generated) == reference_tokens
+    assert all(count == 1 for _, _, count in session.segments), session.segments
+    gaps = [b - a for (turn_a, a), (turn_b, b) in zip(texts, texts[1:]) if turn_a == turn_b]
+    assert gaps and statistics.median(gaps) >= 0.9 / RATE and min(gaps) >= 0.5 / RATE, gaps

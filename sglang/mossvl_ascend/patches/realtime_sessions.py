@@ -2,12 +2,12 @@
 the pool between steps (the HTTP side is :mod:`mossvl_ascend.realtime.engine`).
 
 A session is driven as a chain of ordinary requests, one per **step** (rid ``mossvl-realtime:<session>:<n>``):
-a step carries only its new rows (the token generated last, then the drained prompts and frames) and its new
-frames' pixels; it runs them as an extend over the session's kept K/V, then decodes until ``<|silence|>`` or the
-turn's token limit. When it finishes, its KV record (the ``req_to_token`` row and every slot) is kept for the next
-step instead of being freed, through the seams stock 0.5.23 made for its own streaming sessions
-(``StreamingSession.try_match_prefix`` / ``try_cache_finished_req`` / ``try_checkpoint``), which stock skips
-for requests without a stock session.
+a step carries only its new rows (the token generated last, whose K/V are not computed yet, then the drained prompts
+and frames) and its new frames' pixels; it runs them as an extend over the session's kept K/V, then decodes until
+``<|silence|>`` or the turn's token limit. When it finishes, its KV record (the ``req_to_token`` row and every
+slot) is kept for the next step instead of being freed, through the seams stock 0.5.23 made for its own streaming
+sessions (``StreamingSession.try_match_prefix`` / ``try_cache_finished_req`` / ``try_checkpoint``), which stock
+skips for requests without a stock session.
 
 The row is ``[encoder rows | text rows]``. New frames grow the encoder region in whole pages: new encoder slots are
 allocated and the row is rewritten ``[old encoder | new encoder | text]``; no K/V moves, and since the text shifts
@@ -211,7 +211,12 @@ def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
         return
     mm = req.multimodal_inputs
     own_encoder = (mm.num_image_tokens or 0) if mm is not None else 0
-    new_rows = list(req.origin_input_ids[own_encoder:])
+    new_rows = list(req.origin_input_ids[own_encoder:])  # the session's last generated token, then the segment
+    if new_rows[: len(stream.pending)] != stream.pending:
+        req.set_finish_with_abort(
+            f"realtime step {req.rid} does not start with its session's last generated token {stream.pending}"
+        )
+        return
     grids = []
     if mm is not None and mm.mm_items:
         merge = scheduler.model_config.hf_config.vision_config.spatial_merge_size
@@ -223,7 +228,7 @@ def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
     stream.windowed = stream.windowed or window_starts is not None
     try:
         plan = plan_step(
-            stream.pending + new_rows,
+            new_rows,
             grids,
             image_token_id,
             stream.next_position,

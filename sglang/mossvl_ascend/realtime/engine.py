@@ -9,6 +9,9 @@ generation masks every ``<|...|>`` control token but ``<|silence|>`` and stops a
 limit, and the session parks until input arrives. Each segment is one engine step (one request whose rows are the
 segment, behind the token generated last); the scheduler keeps the K/V between steps.
 
+A rate cap (``max_tokens_per_turn``, generated tokens per second, the upstream name): each token is then a step of
+its own, the next one due 1/rate later, input drained between them, as the reference loop paces itself.
+
 A frame window (server-wide, ``MOSSVL_REALTIME_FRAME_WINDOW_S`` seconds; off when unset): when a frame stamped t
 arrives, the frames stamped before t - W leave the window (the reference stream's rule); each windowed step tells
 the scheduler, per new frame, the first frame still in the window, and the scheduler gives the rest back.
@@ -151,6 +154,7 @@ class ServedSession:
         self.frames: list[Frame] = []
         self.wake = asyncio.Event()
         self.closing = False
+        self.closed = asyncio.Event()
         self.steps = itertools.count()
         self.turn_id = 0
         self.generated: list[int] = []  # every token the model chose (tests compare it with the reference's)
@@ -192,6 +196,7 @@ class ServedSession:
         if self.closing:
             return
         self.closing = True
+        self.closed.set()
         self.wake.set()
         if self.running_rid is not None:
             self.engine.tokenizer_manager.abort_request(rid=self.running_rid)
@@ -206,14 +211,20 @@ class ServedSession:
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
+        rate = self.config.max_tokens_per_turn
+        clock = asyncio.get_running_loop().time
         try:
             rows, frames, seq_nos = self._initial_rows(), [], []
-            first, turn_tokens = True, 0
+            first, turn_tokens, next_due = True, 0, clock()
             while not self.closing:
-                last, generated, interrupted = await self._step(
-                    rows, frames, seq_nos, ready=first, allowance=self.config.max_new_tokens - turn_tokens
-                )
+                # With a rate cap each token is a step of its own, spaced 1/rate apart, input drained between them
+                # (the reference loop paces the same way).
+                allowance = 1 if rate else self.config.max_new_tokens - turn_tokens
+                last, generated, interrupted = await self._step(rows, frames, seq_nos, ready=first, allowance=allowance)
                 first, turn_tokens = False, turn_tokens + generated
+                if rate:
+                    next_due = max(next_due + generated / rate, clock())
+                    await self._pause_until(next_due)
                 idle = self._ends_turn(last) or turn_tokens >= self.config.max_new_tokens
                 if idle or (interrupted and self.prompts):
                     self._flush_text()
@@ -229,7 +240,7 @@ class ServedSession:
                 if barge_in:
                     self.outputs.put_nowait(Output(INTERRUPTED, turn_id=turn_id, next_turn_id=self.turn_id))
                 if idle or self.turn_id != turn_id:
-                    turn_tokens = 0
+                    turn_tokens, next_due = 0, clock()
         except RealtimeError as error:
             self.outputs.put_nowait(Output(ERROR, code=error.code, message=error.message, fatal=True))
         except Exception as error:  # reported to the client; the session ends
@@ -237,6 +248,15 @@ class ServedSession:
             self.outputs.put_nowait(Output(ERROR, code="internal_error", message=str(error), fatal=True))
         finally:
             self.outputs.put_nowait(Output(CLOSED))
+
+    async def _pause_until(self, due: float) -> None:
+        """The rate cap's wait: until ``due`` on the loop's clock, cut short only by close."""
+        delay = due - asyncio.get_running_loop().time()
+        if delay > 0:
+            try:
+                await asyncio.wait_for(self.closed.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
 
     async def _wait_for_input(self) -> None:
         """Parked: nothing to say and nothing pending; no engine work until input arrives (or the timeout)."""
@@ -297,7 +317,7 @@ class ServedSession:
             _STEP_FRAMES[rid] = self._patches(frames)
         request = GenerateReqInput(
             rid=rid,
-            input_ids=rows,
+            input_ids=self.generated[-1:] + rows,  # the token generated last goes through the model with the rows
             sampling_params=self._sampling(max(1, allowance), self._window_starts(frames)),
             stream=True,
             return_logprob=self.config.return_logprob,
