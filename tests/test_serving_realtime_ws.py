@@ -44,6 +44,8 @@ CONFIGS = {
     "page1-noradix-chunk8-mixed": ["--disable-radix-cache", "--chunked-prefill-size", "8", "--enable-mixed-chunk"],
     # Two data-parallel ranks: every step of a session must reach the rank that holds its KV.
     "dp2-page128": ["--dp-size", "2", "--page-size", "128"],
+    # Two tensor-parallel ranks: each rank's scheduler keeps its half of every session's K/V.
+    "tp2-page128": ["--tp-size", "2", "--page-size", "128"],
     # A 1 s frame window: the 2 fps scripts evict frames, and a page of 8 slots (under 2 tiny frames) is given back
     # while the page it shares with the window's first frame keeps evicted keys the rows must not see.
     "window1s-page8-chunk8": ["--page-size", "8", "--chunked-prefill-size", "8"],
