@@ -186,6 +186,12 @@ def test_rate_cap_is_passed_when_set(client, engine):
     assert engine.configs[0].max_new_tokens == 64
 
 
+def test_the_unthrottled_rate_sent_explicitly_is_no_cap(client, engine):
+    with client.websocket_connect(URL) as ws:
+        configure(ws, max_tokens_per_turn=86400.0)
+    assert engine.configs[0].max_tokens_per_turn is None
+
+
 def test_frame_round_trip(client, engine):
     with client.websocket_connect(URL) as ws:
         configure(ws)

@@ -218,8 +218,11 @@ class _Connection:
             if "prefill_messages" not in fields or not _capabilities(self.engine).get("prefill_messages"):
                 raise p.ProtocolError("prefill_messages is not supported by this server")
             extra["prefill_messages"] = [m.model_dump() for m in event.prefill_messages]
-        # The wire default (86400 tok/s) means "no cap", which SessionConfig spells None.
-        rate_cap = event.max_tokens_per_turn if "max_tokens_per_turn" in event.model_fields_set else None
+        # The wire default (86400 tok/s, sent or not) means "no cap", which SessionConfig spells None: the engine
+        # paces a capped session one token per step, a cost an unthrottled session must not pay.
+        rate_cap = event.max_tokens_per_turn
+        if rate_cap >= p.UNTHROTTLED_TOKENS_PER_S:
+            rate_cap = None
         return api.SessionConfig(
             prompt=event.prompt,
             system_prompt=event.system_prompt,
