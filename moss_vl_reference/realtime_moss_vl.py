@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from .modeling_moss_vl import KVBuffer, MossVLCrossAttentionDecoderLayer, frame_block_positions
+from .modeling_moss_vl import KVBuffer, frame_block_positions
 from .processing_moss_vl import DEFAULT_REALTIME_SYSTEM_PROMPT
 from .queries_moss_vl import ERROR_PREFIX, ROUND_START, SILENCE, STOP_ONLINE_GENERATE, is_stop_message
 
@@ -78,11 +78,9 @@ class RealtimeStream:
         config = model.config
         self.image_token_id = config.image_token_id
         self.merge = config.vision_config.spatial_merge_size
-        self.cross_layers = [
-            index
-            for index, layer in enumerate(model.model.language_model.layers)
-            if isinstance(layer, MossVLCrossAttentionDecoderLayer)
-        ]
+        # From the config, as the text model builds its layers: a class check would find none when the model comes
+        # from a checkpoint's copy of this package (trust_remote_code), and the stream would silently skip vision.
+        self.cross_layers = sorted(int(index) for index in config.text_config.cross_attention_layers)
         self.frame_window_seconds = frame_window_seconds
         self.tokens: list[int] = []
         self.self_kv: dict = {}

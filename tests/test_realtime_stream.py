@@ -340,3 +340,22 @@ def test_full_frame_queue_drops_the_oldest_frame_without_a_prompt(model, rt_proc
     assert session.push_frame(noise_image(52), 2.0) is True
     assert session.pending_frames == 2
     assert [frame.timestamp for frame, _ in session.pending.frames] == [0.0, 2.0]
+
+
+def test_this_packages_stream_runs_a_checkpoint_loaded_from_its_own_copy(model, rt_processor):
+    """The model comes from the checkpoint's copy of the reference package (trust_remote_code), whose layer classes
+    are not this package's: `moss_vl_reference.realtime_moss_vl.RealtimeStream` must still find its cross-attention
+    layers (from the config), so a frame changes what the next row predicts exactly as the checkpoint's own stream."""
+    import sys
+
+    from moss_vl_reference.realtime_moss_vl import RealtimeStream, StreamFrame
+
+    own = sys.modules[type(model.create_realtime_session(rt_processor).stream).__module__]
+    assert own.__name__ != "moss_vl_reference.realtime_moss_vl"
+    image_processor = rt_processor.image_processor
+    pixels, grid = image_processor.patchify_frames([noise_image(3)], image_processor.video_max_pixels)
+    ids = rt_processor.tokenizer("hello" + frame_string(0.0), add_special_tokens=False)["input_ids"]
+    ours, theirs = RealtimeStream(model), own.RealtimeStream(model)
+    assert ours.cross_layers == sorted(model.config.text_config.cross_attention_layers)
+    logits = ours.append(ids, [StreamFrame(pixels, grid, 0.0)])
+    torch.testing.assert_close(logits, theirs.append(ids, [own.StreamFrame(pixels, grid, 0.0)]), rtol=0, atol=0)
