@@ -34,19 +34,21 @@ def reference_tokens(realtime_checkpoint):
 
 
 async def served_session(engine, script=SCRIPT, **config):
-    """(the closed session, the kinds of its outputs) of ``script`` on the in-process engine."""
+    """(the closed session, each of its outputs with the loop time it arrived) of ``script`` on the in-process
+    engine."""
     from mossvl_ascend.realtime.engine import ServedRealtimeEngine
     from mossvl_ascend.realtime.session_api import Frame, SessionConfig
 
+    loop = asyncio.get_running_loop()
     session = await ServedRealtimeEngine(lambda: engine.tokenizer_manager).open(
         SessionConfig(max_new_tokens=TURN_LIMIT, **config)
     )
-    kinds = []
+    received = []
 
     async def settle():
         while True:
             output = await asyncio.wait_for(session.outputs.get(), WAIT)
-            kinds.append(output.kind)
+            received.append((output, loop.time()))
             assert output.kind not in ("error", "closed"), output
             if output.kind in ("silence", "turn_done") and not session.pending_inputs:
                 return
@@ -59,7 +61,7 @@ async def served_session(engine, script=SCRIPT, **config):
             session.push_prompt(action[1])
         await settle()
     await session.close()
-    return session, kinds
+    return session, received
 
 
 def run_engine(checkpoint, drive, **server_args):
@@ -83,7 +85,8 @@ def run_engine(checkpoint, drive, **server_args):
 
 
 def test_one_session_equals_the_reference_stream(realtime_checkpoint, reference_tokens):
-    session, kinds = run_engine(realtime_checkpoint, served_session)
+    session, received = run_engine(realtime_checkpoint, served_session)
+    kinds = [output.kind for output, _ in received]
     tokens = list(session.generated)
     silence = AutoProcessor.from_pretrained(
         realtime_checkpoint, trust_remote_code=True
@@ -240,42 +243,12 @@ def test_a_prompt_barges_into_a_served_turn(realtime_checkpoint):
 RATE = 10.0
 
 
-async def capped_session(engine):
-    """SCRIPT with a rate cap of 10 tokens per second; the loop time of every text output."""
-    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
-    from mossvl_ascend.realtime.session_api import Frame, SessionConfig
-
-    loop = asyncio.get_running_loop()
-    session = await ServedRealtimeEngine(lambda: engine.tokenizer_manager).open(
-        SessionConfig(max_new_tokens=TURN_LIMIT, max_tokens_per_turn=RATE)
-    )
-    texts = []  # (turn, time) of each text output
-
-    async def settle():
-        while True:
-            output = await asyncio.wait_for(session.outputs.get(), WAIT)
-            assert output.kind not in ("error", "closed"), output
-            if output.kind == "text":
-                texts.append((output.turn_id, loop.time()))
-            if output.kind in ("silence", "turn_done") and not session.pending_inputs:
-                return
-
-    await settle()
-    for action in SCRIPT:
-        if action[0] == "frame":
-            session.push_frame(Frame(noise_image(action[2]), action[1]))
-        else:
-            session.push_prompt(action[1])
-        await settle()
-    await session.close()
-    return session, texts
-
-
 def test_a_rate_cap_paces_each_turn(realtime_checkpoint, reference_tokens):
     """`max_tokens_per_turn` = 10 tokens/s: every step generates one token, text within a turn comes 1/rate apart
     (the median gap; each gap at least a quarter of it, a step's own latency varying; uncapped, tokens come one decode
     step apart, a few ms on the tiny model), and the tokens still equal the reference stream's."""
-    session, texts = run_engine(realtime_checkpoint, capped_session)
+    session, received = run_engine(realtime_checkpoint, lambda engine: served_session(engine, max_tokens_per_turn=RATE))
+    texts = [(output.turn_id, at) for output, at in received if output.kind == "text"]
     assert list(session.generated) == reference_tokens
     assert all(count == 1 for _, _, count in session.segments), session.segments
     gaps = [b - a for (turn_a, a), (turn_b, b) in zip(texts, texts[1:]) if turn_a == turn_b]
