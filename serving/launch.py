@@ -17,6 +17,7 @@ import argparse
 import logging
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -45,7 +46,41 @@ PARALLEL_SIZE_FLAGS = {
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
+# Where a server's HTTP port is chosen: below the kernel's ephemeral range (``ip_local_port_range``, Linux default
+# from 32768) and below where sglang picks each server's NCCL/gloo port (``get_free_port_below_ephemeral``: 22000 to
+# 29999). A port the kernel hands out for ``bind(0)`` or an outgoing connection can be taken by another socket between
+# the probe and the server's own bind: CI once saw uvicorn fail on such a port (43587) while other sockets were being
+# opened (2026-12-02). The retry in ``SglangServer.start`` covers what a choice cannot.
+PORT_RANGE = (10000, 22000)
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# What uvicorn logs when the HTTP port is taken; the server then neither serves nor exits.
+PORT_TAKEN_MESSAGE = "error while attempting to bind on address"
+
+
+class PortTakenError(RuntimeError):
+    """The server's HTTP port was taken by another socket before the server bound it."""
+
+
+def ephemeral_port_floor() -> int:
+    try:
+        return int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port on 127.0.0.1 that nothing holds now, from ``PORT_RANGE`` where the machine's ephemeral range allows
+    (else one the kernel picks)."""
+    low, high = PORT_RANGE[0], min(PORT_RANGE[1], ephemeral_port_floor())
+    chooser = random.SystemRandom()
+    for _ in range(200 if high - low >= 1000 else 0):
+        port = chooser.randrange(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -162,15 +197,23 @@ class SglangServer:
         ready_timeout_s: float = 240.0,
         name: str = "server",
     ):
-        self.port = port or free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.command = server_command(model_path, self.port, device, extra_args)
+        self.model_path = model_path
+        self.device = device
+        self.extra_args = extra_args
+        self.fixed_port = port
+        self.name = name
         self.env = engine_env(device, extra_args)
         self.ready_timeout_s = ready_timeout_s
         LOG_DIR.mkdir(parents=True, exist_ok=True)
-        self.log_path = LOG_DIR / f"{name}-{self.port}.log"
+        self._use_port(port or free_port())
         self.process: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.command = server_command(self.model_path, port, self.device, self.extra_args)
+        self.log_path = LOG_DIR / f"{self.name}-{port}.log"
 
     def __enter__(self) -> "SglangServer":
         self.start()
@@ -179,7 +222,21 @@ class SglangServer:
     def __exit__(self, *exc_info) -> None:
         self.stop()
 
-    def start(self) -> None:
+    def start(self, port_attempts: int = 3) -> None:
+        """Start the server and wait until it is healthy; a chosen port that another socket took first is replaced
+        by a fresh one (at most ``port_attempts`` tries), a port the caller fixed is not."""
+        for attempt in range(1, port_attempts + 1):
+            try:
+                self._start_once()
+                return
+            except PortTakenError:
+                if self.fixed_port is not None or attempt == port_attempts:
+                    raise
+                taken = self.port
+                self._use_port(free_port())
+                logger.warning("port %d was taken before the server bound it; retrying on %d", taken, self.port)
+
+    def _start_once(self) -> None:
         logger.info("starting: %s (log: %s)", " ".join(self.command), self.log_path)
         started = time.monotonic()
         with open(self.log_path, "w") as log:
@@ -206,6 +263,8 @@ class SglangServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with code {self.process.returncode}; log tail:\n{self.log_tail()}")
+            if PORT_TAKEN_MESSAGE in self.log_tail():
+                raise PortTakenError(f"port {self.port} taken before the server bound it; log tail:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
                     if response.status == 200:

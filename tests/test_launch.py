@@ -1,0 +1,91 @@
+"""serving.launch's port handling, with a stand-in server process instead of sglang (seconds, not a model load).
+
+The stand-in does what uvicorn does on 127.0.0.1:PORT: serve ``/health`` when it can bind, and when the port is
+taken log uvicorn's bind error and stay alive without serving (CI once waited 240 s on such a server).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+
+import pytest
+
+from serving import launch
+from serving.launch import PortTakenError, SglangServer, free_port
+
+STAND_IN_SERVER = """
+import http.server, sys, time
+port = int(sys.argv[1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+except OSError as error:
+    print(f"ERROR:    [Errno {error.errno}] error while attempting to bind on address ('127.0.0.1', {port}): "
+          f"{error.strerror.lower()}", flush=True)
+    time.sleep(3600)
+server.serve_forever()
+"""
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setattr(
+        launch,
+        "server_command",
+        lambda model_path, port, device, extra_args: [sys.executable, "-c", STAND_IN_SERVER, str(port)],
+    )
+
+
+@pytest.fixture
+def held_port():
+    """A listening socket on a port from ``free_port``: taken, as by another process's socket."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_port()))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_free_port_is_bindable_and_below_the_ephemeral_range_and_sglangs_own_ports():
+    assert launch.PORT_RANGE[1] <= launch.ephemeral_port_floor(), "this machine's ephemeral range overlaps PORT_RANGE"
+    for _ in range(20):
+        port = free_port()
+        assert launch.PORT_RANGE[0] <= port < launch.PORT_RANGE[1]
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_a_chosen_port_taken_before_the_server_binds_is_replaced(stand_in, held_port, monkeypatch):
+    ports = iter([held_port])
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or free_port())
+    started = time.monotonic()
+    with SglangServer("unused-model", name="launch-retry") as server:
+        assert server.port != held_port
+        assert server.process.poll() is None
+        first_log = launch.LOG_DIR / f"launch-retry-{held_port}.log"
+        assert launch.PORT_TAKEN_MESSAGE in first_log.read_text()
+    assert time.monotonic() - started < 60
+    assert server.process.poll() is not None
+
+
+def test_a_fixed_port_that_is_taken_fails_at_once_and_leaves_no_process(stand_in, held_port):
+    server = SglangServer("unused-model", port=held_port, name="launch-fixed")
+    started = time.monotonic()
+    with pytest.raises(PortTakenError, match=str(held_port)):
+        server.start()
+    assert time.monotonic() - started < 60
+    assert server.process.poll() is not None
+
+
+def test_every_try_taken_gives_up_after_the_last(stand_in, held_port, monkeypatch):
+    monkeypatch.setattr(launch, "free_port", lambda: held_port)
+    server = SglangServer("unused-model", name="launch-give-up")
+    with pytest.raises(PortTakenError):
+        server.start(port_attempts=2)
+    assert server.process.poll() is not None
