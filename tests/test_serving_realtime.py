@@ -15,6 +15,7 @@ import torch
 from transformers import AutoProcessor
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
+from support.hooks import sglang_restored_after_an_in_process_engine
 from support.realtime import SCRIPTS, TURN_LIMIT, noise_image, reference_generated, reference_session, replay_mismatches
 from support.serving import load_reference
 
@@ -68,20 +69,21 @@ def run_engine(checkpoint, drive, **server_args):
     import sglang
 
     args = {"max_total_tokens": 4096, "page_size": 1, **server_args}
-    engine = sglang.Engine(
-        model_path=str(checkpoint),
-        trust_remote_code=True,
-        enable_multimodal=True,
-        dtype="float32",
-        device="cpu",
-        disable_overlap_schedule=True,
-        sleep_on_idle=True,
-        **args,
-    )
-    try:
-        return engine.loop.run_until_complete(drive(engine))
-    finally:
-        engine.shutdown()
+    with sglang_restored_after_an_in_process_engine():
+        engine = sglang.Engine(
+            model_path=str(checkpoint),
+            trust_remote_code=True,
+            enable_multimodal=True,
+            dtype="float32",
+            device="cpu",
+            disable_overlap_schedule=True,
+            sleep_on_idle=True,
+            **args,
+        )
+        try:
+            return engine.loop.run_until_complete(drive(engine))
+        finally:
+            engine.shutdown()
 
 
 def test_one_session_equals_the_reference_stream(realtime_checkpoint, reference_tokens):

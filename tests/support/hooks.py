@@ -14,7 +14,7 @@ import sys
 
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from mossvl_ascend.registry import IMPORT_FALLBACK, Patch, apply_patch
+from mossvl_ascend.registry import CPU, IMPORT_FALLBACK, Patch, all_patches, apply_patch, patches_for
 
 
 def _owner_and_attr(target: str):
@@ -44,27 +44,64 @@ def _restore(owner, attr: str, original) -> None:
                 setattr(module, name, original)
 
 
+def _saved_originals(targets) -> list:
+    originals = []
+    for target in targets:
+        owner, attr = _owner_and_attr(target)
+        originals.append((owner, attr, owner.__dict__.get(attr, _INHERITED)))
+    return originals
+
+
+def _put_back(originals) -> None:
+    for owner, attr, original in reversed(originals):
+        if owner.__dict__.get(attr, _INHERITED) is not original:
+            _restore(owner, attr, original)
+
+
+@contextlib.contextmanager
+def _registry_restored_after():
+    saved_hooks = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
+    saved_patched = set(HookRegistry._patched)
+    try:
+        yield
+    finally:
+        HookRegistry.reset()
+        HookRegistry._hooks.update(saved_hooks)
+        HookRegistry._patched.update(saved_patched)
+
+
 @contextlib.contextmanager
 def patches_applied(*patches: Patch):
     """Apply these hook patches (platform checks are the caller's business); restore everything on exit."""
     if any(p.kind == IMPORT_FALLBACK for p in patches):
         raise ValueError("import fallbacks change sys.modules; test them in a subprocess")
-    saved_hooks = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
-    saved_patched = set(HookRegistry._patched)
-    HookRegistry.reset()
-    for patch in patches:
-        apply_patch(patch)
-    originals = []
-    for target in HookRegistry._hooks:
-        owner, attr = _owner_and_attr(target)
-        originals.append((owner, attr, owner.__dict__.get(attr, _INHERITED)))
-    HookRegistry.apply_hooks()
-    assert HookRegistry._patched == set(HookRegistry._hooks), "a hook failed to apply"
-    try:
-        yield
-    finally:
-        for owner, attr, original in reversed(originals):
-            _restore(owner, attr, original)
+    with _registry_restored_after():
         HookRegistry.reset()
-        HookRegistry._hooks.update(saved_hooks)
-        HookRegistry._patched.update(saved_patched)
+        for patch in patches:
+            apply_patch(patch)
+        originals = _saved_originals(HookRegistry._hooks)
+        HookRegistry.apply_hooks()
+        assert HookRegistry._patched == set(HookRegistry._hooks), "a hook failed to apply"
+        try:
+            yield
+        finally:
+            _put_back(originals)
+
+
+@contextlib.contextmanager
+def sglang_restored_after_an_in_process_engine():
+    """For a test that starts ``sglang.Engine`` in the test process: the engine's plugin loader applies every CPU
+    patch to this process's sglang for good (and marks the plugin loaded), so a later test of stock behaviour in the
+    same process would see the plugin's hooks. On exit every hooked attribute and the loader's flag are put back; the
+    next in-process engine loads the plugin afresh."""
+    import sglang.srt.plugins as plugin_loader
+
+    targets = [p.target for p in patches_for(CPU, all_patches()) if p.kind != IMPORT_FALLBACK]
+    loaded = plugin_loader._plugins_loaded
+    with _registry_restored_after():
+        originals = _saved_originals(targets)
+        try:
+            yield
+        finally:
+            _put_back(originals)
+            plugin_loader._plugins_loaded = loaded
