@@ -130,3 +130,27 @@ def test_the_scheduler_hook_finishes_a_running_step_after_its_next_token():
     plain = AbortReq(rid=rid)
     interrupt_step(lambda s, r: stock.append(r), scheduler, plain)
     assert stock == [plain], "an ordinary abort is stock's"
+
+
+def test_a_prompt_longer_than_the_context_is_refused_and_the_session_goes_on(processor):
+    """Refused at input with `invalid_request` naming both lengths (alone or with a frame, which is then not taken
+    either); the session's next prompt is taken."""
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+    from mossvl_ascend.realtime.session_api import Frame, RealtimeError, SessionConfig
+
+    async def run():
+        manager = StreamingManager(processor, [])
+        manager.context_len = 64
+        session = await ServedRealtimeEngine(lambda: manager).open(SessionConfig(max_new_tokens=LIMIT))
+        with pytest.raises(RealtimeError) as refused:
+            session.push_prompt("word " * 64, seq_no=0)
+        with pytest.raises(RealtimeError, match="does not fit"):
+            session.push_frame(Frame(noise_image(1), 0.0, seq_no=1), prompt="word " * 64)
+        session.push_prompt("Short one.", seq_no=2)
+        pending = session.pending_inputs
+        await session.close()
+        return refused.value, pending
+
+    error, pending = asyncio.run(run())
+    assert error.code == "invalid_request" and "(64)" in error.message and "tokens" in error.message
+    assert pending == 1

@@ -1,5 +1,6 @@
 """The scheduler side of realtime sessions (`mossvl_ascend.patches.realtime_sessions`) on its own: a step's plan
-with a frame window, and the retraction order under decode memory pressure. The served tests
+with a frame window, the retraction order under decode memory pressure, and which parked session a stalled pool
+evicts. The served tests
 (`test_serving_realtime_ws.py`, `test_serving_realtime.py`) run both inside sglang; these pin the rules.
 
 Oracle for the plan: the reference stream's rule written out here (`moss_vl_reference.realtime_moss_vl`
@@ -66,3 +67,86 @@ def test_retraction_takes_ordinary_requests_then_the_heaviest_session(monkeypatc
 def test_retraction_order_without_sessions_is_stock(monkeypatch):
     reqs = [SimpleNamespace(rid=f"chat-{i}", kv=SimpleNamespace(kv_allocated_len=i, holds_kv=True)) for i in range(3)]
     assert rs.heaviest_sessions_retracted_first([2, 0, 1], reqs) == [2, 0, 1]
+
+
+class _KV:
+    def __init__(self, held: int):
+        self.kv_allocated_len = held
+        self.holds_kv = True
+
+    def mark_kv_released(self):
+        self.holds_kv = False
+
+
+class _Cache:
+    """The two frees ``release_stream`` makes, recorded."""
+
+    def __init__(self):
+        self.freed_slots, self.freed_rows = [], []
+        self.req_to_token_pool = SimpleNamespace(free=self.freed_rows.append)
+
+    def free_kv_row(self, kv, spans):
+        self.freed_slots.extend(spans)
+
+
+def _parked(monkeypatch, session: str, held: int):
+    stream = rs.Stream(session)
+    stream.slot = SimpleNamespace(kv=_KV(held))
+    monkeypatch.setitem(rs._STREAMS, session, stream)
+    return stream
+
+
+def _pass(admitted=None, running=(), waiting=("chat-1",), chunked=None):
+    cache = _Cache()
+    scheduler = SimpleNamespace(waiting_queue=list(waiting), chunked_req=chunked, tree_cache=cache)
+    plan = SimpleNamespace(batch_to_run=admitted, running_batch=SimpleNamespace(is_empty=lambda: not running))
+    return plan, scheduler, cache
+
+
+def test_a_stalled_pool_evicts_the_heaviest_parked_session_only(monkeypatch):
+    """Requests wait, none was admitted, none runs: the parked session holding the most KV is freed and its next
+    step refused with the reason; a session whose step is queued (not parked) and the lighter ones stay."""
+    monkeypatch.setattr(rs, "_EVICTED", {})
+    light, heavy = _parked(monkeypatch, "light", 300), _parked(monkeypatch, "heavy", 2000)
+    _step_request(monkeypatch, "stepping", 5000)
+    plan, scheduler, cache = _pass()
+    assert rs.evict_a_parked_session_when_stalled(plan, scheduler) is plan
+    assert "heavy" not in rs._STREAMS and cache.freed_slots == [(0, 2000)] and cache.freed_rows == [heavy.slot]
+    assert rs._STREAMS["light"] is light and "stepping" in rs._STREAMS
+    assert set(rs._EVICTED) == {"heavy"}
+
+    reasons = []
+    step = SimpleNamespace(
+        rid=rs.step_rid("heavy", 4), finished=lambda: False, to_finish=None, set_finish_with_abort=reasons.append
+    )
+    rs.prepare_step_request(SimpleNamespace(tree_cache=cache), step)
+    assert len(reasons) == 1 and "evicted under KV memory pressure" in reasons[0]
+    assert "heavy" not in rs._STREAMS and not rs._EVICTED
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"admitted": SimpleNamespace()},  # a batch runs: room is being made, or was found
+        {"running": ("decoding",)},  # a running request will finish and free its KV
+        {"waiting": ()},  # nothing needs the KV
+        {"chunked": SimpleNamespace()},  # a chunked prefill goes on
+    ],
+)
+def test_no_eviction_unless_the_pool_is_stalled(monkeypatch, state):
+    monkeypatch.setattr(rs, "_EVICTED", {})
+    _parked(monkeypatch, "heavy", 2000)
+    plan, scheduler, cache = _pass(**state)
+    rs.evict_a_parked_session_when_stalled(plan, scheduler)
+    assert "heavy" in rs._STREAMS and not cache.freed_slots and not rs._EVICTED
+
+
+def test_a_later_step_of_a_session_with_no_kv_is_refused(monkeypatch):
+    """A step after the first one for a session this scheduler holds nothing of would run as a new session over
+    no context: it is refused."""
+    reasons = []
+    step = SimpleNamespace(
+        rid=rs.step_rid("gone", 2), finished=lambda: False, to_finish=None, set_finish_with_abort=reasons.append
+    )
+    rs.prepare_step_request(SimpleNamespace(tree_cache=_Cache()), step)
+    assert reasons == ["realtime session gone holds no KV here"] and "gone" not in rs._STREAMS

@@ -32,7 +32,15 @@ from support.realtime import (
     served_turn_texts,
     turn_texts,
 )
-from support.serving import CASES, load_reference, openai_client, reference_ids, served_ids, wait_for_load
+from support.serving import (
+    CASES,
+    kv_load,
+    load_reference,
+    openai_client,
+    reference_ids,
+    served_ids,
+    wait_for_load,
+)
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -73,11 +81,9 @@ def reference(checkpoint):
     return {"streams": streams, "ordinary": ordinary, "tokenizer": processor.tokenizer}
 
 
-async def drive(url: str, script) -> RealtimeClient:
-    client = RealtimeClient(url)
-    await client.open(max_new_tokens=TURN_LIMIT, temperature=0.0)
-    await client.settle()
-    for action in script:
+async def play(client: RealtimeClient, actions) -> None:
+    """Each action of a script in turn, waiting for the turn it starts to end."""
+    for action in actions:
         if action[0] == "frame":
             seq_no = await client.frame(noise_image(action[2]), action[1])
         elif action[0] == "prompt":
@@ -85,6 +91,17 @@ async def drive(url: str, script) -> RealtimeClient:
         else:
             seq_no = await client.frame(noise_image(action[3]), action[2], prompt=action[1])
         await client.settle(seq_no)
+
+
+async def drive_client(client: RealtimeClient, script) -> None:
+    await client.open(max_new_tokens=TURN_LIMIT, temperature=0.0)
+    await client.settle()
+    await play(client, script)
+
+
+async def drive(url: str, script) -> RealtimeClient:
+    client = RealtimeClient(url)
+    await drive_client(client, script)
     await client.close()
     return client
 
@@ -221,16 +238,6 @@ async def two_sessions_under_pressure(url: str) -> dict:
     return dict(zip(names, clients))
 
 
-async def drive_client(client: RealtimeClient, script) -> None:
-    await client.open(max_new_tokens=TURN_LIMIT, temperature=0.0)
-    await client.settle()
-    for action in script:
-        seq_no = await client.frame(noise_image(action[2]), action[1]) if action[0] == "frame" else None
-        if seq_no is None:
-            seq_no = await client.prompt(action[1])
-        await client.settle(seq_no)
-
-
 def test_memory_pressure_aborts_a_session_and_the_others_go_on(checkpoint, reference, monkeypatch):
     """sglang's retraction switch (`SGLANG_TEST_RETRACT`: a running request loses its KV every few forwards, as
     under memory pressure) hits the sessions' steps: a retracted session ends with an error event and frees its KV;
@@ -253,6 +260,81 @@ def test_memory_pressure_aborts_a_session_and_the_others_go_on(checkpoint, refer
                 name
             )
     assert idle["num_used_tokens"] == 0, idle
+
+
+def long_prompt(words: int) -> str:
+    """About one token per word on the tiny checkpoint's tokenizer."""
+    return "Remember: " + "word " * words
+
+
+# Parked sessions that fill most of a 4096-slot pool (2048 stock tokens in the MOSS-VL layout): one with three frames
+# and a prompt, a heavy one and a lighter one holding long prompts.
+PARKED_SCRIPTS = {
+    "light": SCRIPTS["frames_1fps_then_prompt"],
+    "heavy": (("prompt", long_prompt(1400)), ("frame", 0.0, 21)),
+    "lighter": (("prompt", long_prompt(700)), ("frame", 0.0, 22)),
+}
+
+
+@pytest.fixture(scope="module")
+def parked_reference(checkpoint):
+    model, processor = load_reference(checkpoint)
+    return {name: reference_generated(model, processor, script) for name, script in PARKED_SCRIPTS.items()}
+
+
+def stalling_question(words: int) -> list[dict]:
+    return [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": long_prompt(words)}]
+
+
+async def parked_sessions_stall_the_pool(url: str, server) -> dict:
+    """Each session plays its script but its last action and parks; an OpenAI request that the pool's free slots
+    cannot take but would with the heavy session's arrives; then each session plays its last action."""
+    clients = {name: RealtimeClient(url) for name in PARKED_SCRIPTS}
+    for name, client in clients.items():
+        await drive_client(client, PARKED_SCRIPTS[name][:-1])
+    parked = kv_load(server)
+    free = parked["max_total_num_tokens"] - parked["num_used_tokens"]
+    words = free + 64  # its prompt alone is over the free slots
+    openai, model_name = openai_client(server)
+    # Without the eviction it would wait for the sessions' idle timeouts.
+    ordinary = await asyncio.to_thread(served_ids, openai, model_name, stalling_question(words), timeout=120)
+    errors = {}
+    for name, client in clients.items():
+        try:
+            await play(client, PARKED_SCRIPTS[name][-1:])
+        except RuntimeError:  # the socket closed: its session was evicted
+            pass
+        errors[name] = [r.event for r in client.events if r.event["type"] == "error"]
+        await client.close()
+    return {"clients": clients, "errors": errors, "parked": parked, "words": words, "ordinary": ordinary}
+
+
+def test_parked_sessions_stalling_the_pool_lose_the_heaviest_and_the_others_go_on(checkpoint, parked_reference):
+    """Parked sessions hold KV with no request in the scheduler, so retraction cannot reach them: a request that
+    cannot be admitted while nothing runs would wait for their timeouts. The heaviest parked session is evicted
+    (an error event at its next input); the request then runs and equals the reference; the other sessions stay
+    exact; the pool ends idle. Page 128."""
+    extra = ["--dtype", "float32", "--max-total-tokens", "2048", "--context-length", "2048", "--page-size", "128"]
+    with SglangServer(checkpoint, extra_args=extra, name="realtime-parked-stall") as server:
+        url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
+        result = asyncio.run(parked_sessions_stall_the_pool(url, server))
+        idle = wait_until_idle(server)
+        log = server.log_path.read_text()
+    parked = result["parked"]
+    assert parked["num_used_tokens"] > parked["max_total_num_tokens"] / 2, parked
+    assert log.count("evicted while parked") == 1, "one eviction makes room"
+    assert [name for name, errors in result["errors"].items() if errors] == ["heavy"]
+    assert "evicted under KV memory pressure" in result["errors"]["heavy"][0]["message"]
+    assert result["clients"]["heavy"].count("session.done") == 1
+    model, processor = load_reference(checkpoint)
+    tokenizer = processor.tokenizer
+    for name in ("light", "lighter"):
+        expected = turn_texts(tokenizer, parked_reference[name])
+        assert served_turn_texts(result["clients"][name]) == expected, name
+    assert (
+        result["ordinary"]["completion_ids"] == reference_ids(model, processor, stalling_question(result["words"]))[1]
+    )
+    assert all(load["num_used_tokens"] == 0 for load in idle), idle
 
 
 LONG_STREAM_FRAMES = 300

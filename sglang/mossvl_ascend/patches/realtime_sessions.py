@@ -175,6 +175,8 @@ class RunningStep:
 
 
 _STREAMS: dict[str, Stream] = {}
+# Sessions evicted while parked: the message their next step is refused with (their client's error event).
+_EVICTED: dict[str, str] = {}
 
 
 def stream_of(req) -> Stream | None:
@@ -202,8 +204,12 @@ def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
         return
     session_id, step = parsed
     if step == CLOSE_STEP:
+        _EVICTED.pop(session_id, None)
         release_stream(session_id, scheduler.tree_cache)
         req.set_finish_with_abort("realtime session closed")
+        return
+    if step != "0" and session_id not in _STREAMS:  # its KV is gone: running it would start the session afresh
+        req.set_finish_with_abort(_EVICTED.pop(session_id, f"realtime session {session_id} holds no KV here"))
         return
     stream = _STREAMS.setdefault(session_id, Stream(session_id))
     if stream.step is not None:
@@ -498,6 +504,36 @@ def heaviest_sessions_retracted_first(order: list[int], reqs, *args: Any, **kwar
     return sorted(held, key=held.__getitem__) + ordinary
 
 
+def evict_a_parked_session_when_stalled(plan, scheduler, *args: Any, **kwargs: Any):
+    """AFTER ``Scheduler.get_new_batch_prefill``: when requests wait, none could be admitted and nothing runs, no
+    finishing request will ever make room (the prefill adder has already evicted what the tree could give), only
+    parked sessions hold KV. The parked session holding the most goes (every slot and its row freed); its next step is
+    refused with the reason, which its client gets as an error event. One per pass, until a waiting request fits."""
+    if plan.batch_to_run is not None or not plan.running_batch.is_empty() or scheduler.chunked_req is not None:
+        return plan
+    if not scheduler.waiting_queue:
+        return plan
+    parked = {
+        session_id: stream.slot.kv.kv_allocated_len
+        for session_id, stream in _STREAMS.items()
+        if stream.step is None and stream.slot is not None and stream.slot.kv.holds_kv
+    }
+    if not parked:
+        return plan
+    heaviest = max(parked, key=parked.__getitem__)
+    logger.warning(
+        "realtime session %s evicted while parked: %d waiting requests could not be admitted and none runs "
+        "(it held %d KV slots, the heaviest of %d parked sessions)",
+        heaviest,
+        len(scheduler.waiting_queue),
+        parked[heaviest],
+        len(parked),
+    )
+    release_stream(heaviest, scheduler.tree_cache)
+    _EVICTED[heaviest] = f"realtime session {heaviest} evicted under KV memory pressure (parked, the heaviest)"
+    return plan
+
+
 def _held_slots(req) -> int:
     kv = getattr(req, "kv", None)
     return kv.kv_allocated_len if kv is not None and kv.holds_kv else 0
@@ -653,6 +689,24 @@ PATCHES = (
         how=(
             "the retraction order keeps realtime steps first, lightest session first, then the ordinary requests "
             "in stock's order, so retraction takes ordinary requests, then the session holding the most KV"
+        ),
+        upstream="not in sglang",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
+    Patch(
+        title="MOSS-VL-Realtime: when the pool is stalled by parked sessions the heaviest one goes",
+        target="sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
+        kind=HookType.AFTER,
+        hook=evict_a_parked_session_when_stalled,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "a parked session (its turn ended on `<|silence|>`) holds its KV with no request in the scheduler, so "
+            "neither retraction nor the tree's eviction can reclaim it: requests that need that KV would wait until "
+            "the session timed out"
+        ),
+        how=(
+            "after a prefill pass that admitted nothing while requests wait and none runs, the parked session "
+            "holding the most KV is freed (slots and row, one per pass) and its next step aborted with the reason"
         ),
         upstream="not in sglang",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",

@@ -178,14 +178,24 @@ class ServedSession:
     def push_prompt(self, prompt: str, seq_no: Optional[int] = None) -> None:
         if not prompt or not prompt.strip():
             raise RealtimeError("invalid_request", "empty prompt")
+        self._check_prompt_fits(prompt)
         self.prompts.append((prompt, seq_no))
         self.wake.set()
 
     def push_frame(self, frame: Frame, prompt: Optional[str] = None) -> None:
         if prompt:
+            self._check_prompt_fits(prompt)
             self.prompts.append((prompt, None))
         self.frames.append(frame)
         self.wake.set()
+
+    def _check_prompt_fits(self, prompt: str) -> None:
+        """A prompt no session could hold is refused as a bad input (the session goes on); one that only overfills
+        this session's context ends the session when the scheduler refuses its step."""
+        rows = len(self._encode(prompt_splice(prompt)))
+        context = self.engine.tokenizer_manager.context_len
+        if rows >= context:
+            raise RealtimeError("invalid_request", f"prompt of {rows} tokens does not fit the context ({context})")
 
     @property
     def pending_inputs(self) -> int:
