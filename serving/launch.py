@@ -50,7 +50,8 @@ THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 # from 32768) and below where sglang picks each server's NCCL/gloo port (``get_free_port_below_ephemeral``: 22000 to
 # 29999). A port the kernel hands out for ``bind(0)`` or an outgoing connection can be taken by another socket between
 # the probe and the server's own bind: CI once saw uvicorn fail on such a port (43587) while other sockets were being
-# opened (2026-12-02). The retry in ``SglangServer.start`` covers what a choice cannot.
+# opened (2026-12-02). The retry in ``SglangServer.start`` covers what a choice cannot. (sglang's own
+# ``get_free_port_below_ephemeral`` is not used: importing it loads torch, 4 s, into this stdlib-only launcher.)
 PORT_RANGE = (10000, 22000)
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 # What uvicorn logs when the HTTP port is taken; the server then neither serves nor exits.

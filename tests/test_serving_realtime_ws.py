@@ -278,8 +278,11 @@ PARKED_SCRIPTS = {
 
 @pytest.fixture(scope="module")
 def parked_reference(checkpoint):
+    """The sessions' reference streams, and the model (the OpenAI request's reference is sized from the served pool,
+    so it is computed after the server)."""
     model, processor = load_reference(checkpoint)
-    return {name: reference_generated(model, processor, script) for name, script in PARKED_SCRIPTS.items()}
+    streams = {name: reference_generated(model, processor, script) for name, script in PARKED_SCRIPTS.items()}
+    return {"streams": streams, "model": model, "processor": processor}
 
 
 def stalling_question(words: int) -> list[dict]:
@@ -326,10 +329,9 @@ def test_parked_sessions_stalling_the_pool_lose_the_heaviest_and_the_others_go_o
     assert [name for name, errors in result["errors"].items() if errors] == ["heavy"]
     assert "evicted under KV memory pressure" in result["errors"]["heavy"][0]["message"]
     assert result["clients"]["heavy"].count("session.done") == 1
-    model, processor = load_reference(checkpoint)
-    tokenizer = processor.tokenizer
+    model, processor = parked_reference["model"], parked_reference["processor"]
     for name in ("light", "lighter"):
-        expected = turn_texts(tokenizer, parked_reference[name])
+        expected = turn_texts(processor.tokenizer, parked_reference["streams"][name])
         assert served_turn_texts(result["clients"][name]) == expected, name
     assert (
         result["ordinary"]["completion_ids"] == reference_ids(model, processor, stalling_question(result["words"]))[1]
