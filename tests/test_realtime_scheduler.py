@@ -150,3 +150,61 @@ def test_a_later_step_of_a_session_with_no_kv_is_refused(monkeypatch):
     )
     rs.prepare_step_request(SimpleNamespace(tree_cache=_Cache()), step)
     assert reasons == ["realtime session gone holds no KV here"] and "gone" not in rs._STREAMS
+
+
+def _admitted(scheduler, free_rows: int) -> list[str]:
+    """One prefill pass over ``scheduler.waiting_queue`` as stock's gate runs it (stop once the admitted list is as
+    long as the allocatable rows: the free ones plus those the admitted requests hold), with the rows checked
+    independently: a request that does not run in its session's kept row must find a free one."""
+
+    def stock_allocatable(sched, running_bs, num_held_rows=0):
+        return free_rows + num_held_rows
+
+    rs.kept_rows_first(None, None, scheduler.waiting_queue)
+    admitted, free = [], free_rows
+    for req in scheduler.waiting_queue:
+        held = sum(r.kv.holds_kv for r in admitted)
+        if len(admitted) >= rs.count_kept_rows_as_allocatable(stock_allocatable, scheduler, 0, num_held_rows=held):
+            break
+        if req.rid.startswith(rs.RID_PREFIX):
+            req.kv = rs._STREAMS[rs.parse_step_rid(req.rid)[0]].slot.kv  # the borrow stock's match makes
+        else:
+            assert free > 0, f"{req.rid} was admitted with no free request row"
+            free -= 1  # its row is allocated when the batch is built: at admission it holds none
+        admitted.append(req)
+    return [req.rid for req in admitted]
+
+
+def _queued_step(monkeypatch, session: str):
+    """A parked session (its row kept) whose next step is queued; the step holds nothing until it is matched."""
+    stream = _parked(monkeypatch, session, 600)
+    rid = rs.step_rid(session, 2)
+    stream.step = rs.RunningStep(rid, plan=None, encoder_rows=0, vision_tokens=0)
+    return SimpleNamespace(rid=rid, kv=SimpleNamespace(holds_kv=False))
+
+
+def _ordinary(rid: str):
+    return SimpleNamespace(rid=rid, kv=SimpleNamespace(holds_kv=False))
+
+
+def test_steps_run_in_their_kept_rows_when_no_row_is_free(monkeypatch):
+    """Every request row kept by a parked session (as many sessions as ``--max-running-requests``): the queued
+    steps are admitted, ahead of an ordinary request queued before them, which waits (no free row)."""
+    _parked(monkeypatch, "idle", 600)
+    queue = [_ordinary("chat-1"), _queued_step(monkeypatch, "aa"), _ordinary("chat-2"), _queued_step(monkeypatch, "bb")]
+    scheduler = SimpleNamespace(waiting_queue=queue)
+    assert _admitted(scheduler, free_rows=0) == [rs.step_rid("aa", 2), rs.step_rid("bb", 2)]
+
+
+def test_a_free_row_goes_to_the_ordinary_request_after_the_steps(monkeypatch):
+    queue = [_ordinary("chat-1"), _queued_step(monkeypatch, "aa"), _ordinary("chat-2")]
+    scheduler = SimpleNamespace(waiting_queue=queue)
+    assert _admitted(scheduler, free_rows=1) == [rs.step_rid("aa", 2), "chat-1"]
+
+
+def test_without_queued_steps_admission_is_stock(monkeypatch):
+    _parked(monkeypatch, "idle", 600)
+    scheduler = SimpleNamespace(waiting_queue=[_ordinary("chat-1"), _ordinary("chat-2")])
+    assert _admitted(scheduler, free_rows=0) == []
+    scheduler = SimpleNamespace(waiting_queue=[_ordinary("chat-1"), _ordinary("chat-2")])
+    assert _admitted(scheduler, free_rows=1) == ["chat-1"]

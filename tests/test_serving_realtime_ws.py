@@ -165,7 +165,8 @@ def wait_until_idle(server, timeout_s: float = 60.0) -> list[dict]:
 
 
 async def faults(url: str, script) -> dict:
-    """Three sessions (the cap), a fourth refused; one disconnects right after a frame; one gets bad inputs (a
+    """Three sessions (the cap, every request row kept), a fourth refused; one takes a frame while every row is
+    kept; one disconnects right after a frame; one gets bad inputs (a
     `seq_no` gap, a timestamp going back, an unknown event, a malformed frame) between its script's steps and must
     still equal the reference."""
     keep = [RealtimeClient(url) for _ in range(3)]
@@ -179,6 +180,8 @@ async def faults(url: str, script) -> dict:
     except RuntimeError as error:
         refusal = str(error)
     await refused.close()
+    # Every request row is now kept by a parked session: a step runs in its own session's row all the same.
+    await keep[1].settle(await keep[1].frame(noise_image(98), 0.0))
     dropped = keep.pop()
     await dropped.frame(noise_image(99), 0.0)
     await dropped.close()  # disconnect while its step runs (or just after)
@@ -219,6 +222,7 @@ def test_refusal_disconnect_and_bad_inputs(checkpoint, reference):
     assert served_turn_texts(result["victim"]) == turn_texts(reference["tokenizer"], tokens)
     assert idle["num_used_tokens"] == 0, idle
     assert log.count("realtime session") >= 3 and "closed:" in log
+    assert "evicted while parked" not in log, "a step waiting for its own kept row looked like a stalled pool"
 
 
 async def two_sessions_under_pressure(url: str) -> dict:

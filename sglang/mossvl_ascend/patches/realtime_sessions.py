@@ -534,6 +534,32 @@ def evict_a_parked_session_when_stalled(plan, scheduler, *args: Any, **kwargs: A
     return plan
 
 
+def _borrows_a_kept_row(req) -> bool:
+    """A queued step whose session keeps a ``req_to_token`` row: it runs in that row and needs no free one."""
+    stream = stream_of(req)
+    if stream is None or stream.step is None or stream.step.rid != req.rid:
+        return False
+    return stream.slot is not None and stream.slot.kv.holds_kv
+
+
+def kept_rows_first(result, policy, waiting_queue, *args: Any, **kwargs: Any):
+    """AFTER ``SchedulePolicy.calc_priority``: the queued steps that run in their session's kept row go first (stable,
+    so stock's order holds within both groups). :func:`count_kept_rows_as_allocatable` relies on it: the rows it
+    credits are taken by the first candidates of the pass, never by a request that needs a free row."""
+    waiting_queue.sort(key=lambda req: not _borrows_a_kept_row(req))
+    return result
+
+
+def count_kept_rows_as_allocatable(original: Callable, scheduler, *args: Any, num_held_rows: int = 0, **kwargs: Any):
+    """AROUND ``Scheduler.get_num_allocatable_reqs``: stock counts a row as held only once its request is in the
+    pass's admitted list, since its requests borrow a row when they are matched. A queued realtime step borrows its
+    session's kept row, so with every row kept by a parked session (as many sessions as ``--max-running-requests``)
+    stock would admit no step and the pool would look stalled. The queued steps' kept rows count as held: at least
+    as many as there are such steps (they are first in the queue, see :func:`kept_rows_first`)."""
+    waiting = sum(_borrows_a_kept_row(req) for req in scheduler.waiting_queue)
+    return original(scheduler, *args, num_held_rows=max(num_held_rows, waiting), **kwargs)
+
+
 def _held_slots(req) -> int:
     kv = getattr(req, "kv", None)
     return kv.kv_allocated_len if kv is not None and kv.holds_kv else 0
@@ -707,6 +733,38 @@ PATCHES = (
         how=(
             "after a prefill pass that admitted nothing while requests wait and none runs, the parked session "
             "holding the most KV is freed (slots and row, one per pass) and its next step aborted with the reason"
+        ),
+        upstream="not in sglang",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
+    Patch(
+        title="MOSS-VL-Realtime: a queued step runs in its session's kept row, first in the queue",
+        target="sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
+        kind=HookType.AFTER,
+        hook=kept_rows_first,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "the admission gate credits the queued steps' kept rows (next entry); a request needing a free row "
+            "admitted before them could take a credited row that is not free"
+        ),
+        how="the waiting queue is re-sorted, stably, with the steps whose session keeps a row first",
+        upstream="not in sglang",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
+    Patch(
+        title="MOSS-VL-Realtime: a queued step's kept row counts as held at admission",
+        target="sglang.srt.managers.scheduler.Scheduler.get_num_allocatable_reqs",
+        kind=HookType.AROUND,
+        hook=count_kept_rows_as_allocatable,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "stock counts a request's row as held only once it is admitted; with every `req_to_token` row kept by a "
+            "parked session no step was admitted, although it needs no new row, and the pool looked stalled (a "
+            "parked session was evicted for nothing)"
+        ),
+        how=(
+            "`num_held_rows` becomes at least the number of queued steps whose session keeps a row (those steps "
+            "are first in the queue, so the credited rows are theirs)"
         ),
         upstream="not in sglang",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
