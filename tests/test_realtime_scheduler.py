@@ -96,9 +96,12 @@ def _parked(monkeypatch, session: str, held: int):
     return stream
 
 
-def _pass(admitted=None, running=(), waiting=("chat-1",), chunked=None):
+def _pass(admitted=None, running=(), waiting=("chat-1",), chunked=None, free_rows=1):
     cache = _Cache()
-    scheduler = SimpleNamespace(waiting_queue=list(waiting), chunked_req=chunked, tree_cache=cache)
+    rows = SimpleNamespace(available_size=lambda: free_rows)
+    scheduler = SimpleNamespace(
+        waiting_queue=list(waiting), chunked_req=chunked, tree_cache=cache, req_to_token_pool=rows
+    )
     plan = SimpleNamespace(batch_to_run=admitted, running_batch=SimpleNamespace(is_empty=lambda: not running))
     return plan, scheduler, cache
 
@@ -122,6 +125,18 @@ def test_a_stalled_pool_evicts_the_heaviest_parked_session_only(monkeypatch):
     rs.prepare_step_request(SimpleNamespace(tree_cache=cache), step)
     assert len(reasons) == 1 and "evicted under KV memory pressure" in reasons[0]
     assert "heavy" not in rs._STREAMS and not rs._EVICTED
+
+
+def test_an_eviction_for_want_of_rows_says_so(monkeypatch):
+    """Every request row kept by a parked session and an ordinary request waiting: the heaviest parked session goes
+    and its reason names the rows, not the KV."""
+    monkeypatch.setattr(rs, "_EVICTED", {})
+    _parked(monkeypatch, "light", 300)
+    _parked(monkeypatch, "heavy", 2000)
+    plan, scheduler, cache = _pass(free_rows=0)
+    rs.evict_a_parked_session_when_stalled(plan, scheduler)
+    assert set(rs._EVICTED) == {"heavy"} and "light" in rs._STREAMS
+    assert "request-row pressure" in rs._EVICTED["heavy"] and "KV memory" not in rs._EVICTED["heavy"]
 
 
 @pytest.mark.parametrize(

@@ -521,16 +521,23 @@ def evict_a_parked_session_when_stalled(plan, scheduler, *args: Any, **kwargs: A
     if not parked:
         return plan
     heaviest = max(parked, key=parked.__getitem__)
+    # What stood in the way: every request row kept (as many parked sessions as --max-running-requests), or KV slots.
+    pressure = (
+        "request-row pressure (every row kept; see --max-running-requests)"
+        if scheduler.req_to_token_pool.available_size() == 0
+        else "KV memory pressure"
+    )
     logger.warning(
-        "realtime session %s evicted while parked: %d waiting requests could not be admitted and none runs "
-        "(it held %d KV slots, the heaviest of %d parked sessions)",
+        "realtime session %s evicted while parked: %d waiting requests could not be admitted and none runs, "
+        "under %s (it held %d KV slots, the heaviest of %d parked sessions)",
         heaviest,
         len(scheduler.waiting_queue),
+        pressure,
         parked[heaviest],
         len(parked),
     )
     release_stream(heaviest, scheduler.tree_cache)
-    _EVICTED[heaviest] = f"realtime session {heaviest} evicted under KV memory pressure (parked, the heaviest)"
+    _EVICTED[heaviest] = f"realtime session {heaviest} evicted under {pressure} (parked, the heaviest)"
     return plan
 
 
