@@ -162,6 +162,11 @@ class Stream:
     frames_encoded: int = 0
     rows_extended: int = 0
 
+    @property
+    def keeps_kv(self) -> bool:
+        """Its kept record still holds a ``req_to_token`` row and KV slots."""
+        return self.slot is not None and self.slot.kv.holds_kv
+
 
 @dataclass
 class RunningStep:
@@ -452,7 +457,7 @@ def skip_step_checkpoint(original: Callable, session, req, *args: Any, **kwargs:
 def release_stream(session_id: str, cache) -> None:
     """Free every slot and the row a session holds, and forget it."""
     stream = _STREAMS.pop(session_id, None)
-    if stream is None or stream.slot is None or not stream.slot.kv.holds_kv:
+    if stream is None or not stream.keeps_kv:
         return
     kv = stream.slot.kv
     freed = kv.kv_allocated_len
@@ -516,7 +521,7 @@ def evict_a_parked_session_when_stalled(plan, scheduler, *args: Any, **kwargs: A
     parked = {
         session_id: stream.slot.kv.kv_allocated_len
         for session_id, stream in _STREAMS.items()
-        if stream.step is None and stream.slot is not None and stream.slot.kv.holds_kv
+        if stream.step is None and stream.keeps_kv
     }
     if not parked:
         return plan
@@ -543,17 +548,15 @@ def evict_a_parked_session_when_stalled(plan, scheduler, *args: Any, **kwargs: A
 
 def _borrows_a_kept_row(req) -> bool:
     """A queued step whose session keeps a ``req_to_token`` row: it runs in that row and needs no free one."""
-    stream = stream_of(req)
-    if stream is None or stream.step is None or stream.step.rid != req.rid:
-        return False
-    return stream.slot is not None and stream.slot.kv.holds_kv
+    return _running_step(req) is not None and stream_of(req).keeps_kv
 
 
 def kept_rows_first(result, policy, waiting_queue, *args: Any, **kwargs: Any):
     """AFTER ``SchedulePolicy.calc_priority``: the queued steps that run in their session's kept row go first (stable,
     so stock's order holds within both groups). :func:`count_kept_rows_as_allocatable` relies on it: the rows it
     credits are taken by the first candidates of the pass, never by a request that needs a free row."""
-    waiting_queue.sort(key=lambda req: not _borrows_a_kept_row(req))
+    if _STREAMS:  # a pass over the queue only while sessions exist: ordinary serving pays nothing
+        waiting_queue.sort(key=lambda req: not _borrows_a_kept_row(req))
     return result
 
 
@@ -563,7 +566,8 @@ def count_kept_rows_as_allocatable(original: Callable, scheduler, *args: Any, nu
     session's kept row, so with every row kept by a parked session (as many sessions as ``--max-running-requests``)
     stock would admit no step and the pool would look stalled. The queued steps' kept rows count as held: at least
     as many as there are such steps (they are first in the queue, see :func:`kept_rows_first`)."""
-    waiting = sum(_borrows_a_kept_row(req) for req in scheduler.waiting_queue)
+    # Only while sessions exist: stock asks once per admission candidate, so ordinary serving pays nothing.
+    waiting = sum(_borrows_a_kept_row(req) for req in scheduler.waiting_queue) if _STREAMS else 0
     return original(scheduler, *args, num_held_rows=max(num_held_rows, waiting), **kwargs)
 
 
