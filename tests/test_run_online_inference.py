@@ -30,6 +30,7 @@ from moss_vl_reference.tiny_checkpoint import build_or_reuse
 from realtime_inference import run_online_inference as online
 from realtime_inference import video_sources
 from serving.launch import free_port
+from support.cold_prefill import assert_stream_equals_cold
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "realtime_inference" / "run_online_inference.py"
@@ -630,8 +631,6 @@ def test_real_model_stream_over_websocket_equals_a_cold_prefill(tiny_model):
     """The service runs the model's stream end to end: what the client receives is what the stream chose (one
     round marker for the prompt), the stream equals a cold prefill of its final sequence, and after stop the
     socket closes."""
-    from test_realtime_stream import assert_stream_equals_cold
-
     checkpoint, model, processor, metadata = tiny_model
     capturing = CapturingModel(model)
     app = online.create_service_app(
