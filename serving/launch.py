@@ -3,8 +3,8 @@
 Used by ``make demo``, the serving tests and the serving benchmark, so every one of them launches the server
 the same way a user does. On ``--device cpu`` the CPU engine environment is added (the import-only
 ``sgl_kernel`` stand-in on ``PYTHONPATH`` and ``SGLANG_USE_CPU_ENGINE=1``); on NPU/CUDA nothing is added.
-A CPU server with more than one rank (``--tp-size``/``--dp-size``/``--pp-size``) also gets a per-rank core
-split (see :func:`multi_rank_cpu_env`).
+A CPU server with more than one rank on this node (tp x dp x pp / nnodes, read by sglang's own argument parser, so
+``--tp 2`` counts as ``--tp-size 2`` does) also gets a per-rank core split (see :func:`multi_rank_cpu_env`).
 
     python -m serving.launch --model-path DIR [--device cpu] [--port 30000] [sglang arguments ...]
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import random
 import signal
@@ -23,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -34,15 +34,6 @@ CPU_SHIM = REPO_ROOT / "cpu_shim"
 PLUGIN_SRC = REPO_ROOT / "sglang"
 LOG_DIR = REPO_ROOT / "build" / "logs"
 DEFAULT_MAX_TOTAL_TOKENS = 16384
-# sglang's rank-count flags and their long aliases (``arg_groups/fields/parallel.py``); ranks = tp * dp * pp.
-PARALLEL_SIZE_FLAGS = {
-    "--tp-size": "tp",
-    "--tensor-parallel-size": "tp",
-    "--dp-size": "dp",
-    "--data-parallel-size": "dp",
-    "--pp-size": "pp",
-    "--pipeline-parallel-size": "pp",
-}
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
@@ -69,32 +60,83 @@ def ephemeral_port_floor() -> int:
         return 32768
 
 
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing holds now, from ``PORT_RANGE`` where the machine's ephemeral range allows
-    (else one the kernel picks)."""
-    low, high = PORT_RANGE[0], min(PORT_RANGE[1], ephemeral_port_floor())
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(span: int = 1) -> int:
+    """A port on 127.0.0.1 that nothing holds now (with the ``span - 1`` ports after it: a multi-node
+    ``--dist-init-addr`` port is followed by the ZMQ ports sglang derives from it), from ``PORT_RANGE`` where the
+    machine's ephemeral range allows (else one the kernel picks)."""
+    low, high = PORT_RANGE[0], min(PORT_RANGE[1], ephemeral_port_floor()) - span
     chooser = random.SystemRandom()
     for _ in range(200 if high - low >= 1000 else 0):
         port = chooser.randrange(low, high)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        if all(_bindable(port + offset) for offset in range(span)):
             return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The rank sizes a ``sglang.launch_server`` command line asks for."""
+
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dp_attention: bool = False  # DP groups inside the TP group: no scheduler processes of their own
+
+    @property
+    def ranks_on_this_node(self) -> int:
+        """Scheduler processes this node starts: sglang spreads every TP x PP group (and every DP replica) evenly
+        over the nodes (``entrypoints/engine.py::_calculate_rank_ranges``)."""
+        replicas = 1 if self.dp_attention else self.dp
+        return max(1, self.tp * self.pp * replicas // self.nnodes)
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """sglang's parser, raising instead of printing its whole usage and exiting."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
+def parallel_layout(extra_args: list[str]) -> ParallelLayout:
+    """The rank sizes in sglang arguments, read by sglang's own parser (``ServerArgs.add_cli_args``), so every
+    spelling it accepts counts: ``--tp-size``, ``--tensor-parallel-size``, ``--tp`` (argparse's unambiguous
+    prefix), ``--dp``, ``--tp-size=2``. Arguments sglang itself would reject give the one-rank layout; sglang then
+    reports them. (The import loads torch, seconds: only a CPU launch, which needs the count, calls this.)"""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = _RaisingParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    try:
+        parsed, _ = parser.parse_known_args(["--model-path", "unused", *extra_args])
+    except ValueError as error:
+        logger.warning("sglang will reject these arguments (%s); no core split chosen", error)
+        return ParallelLayout()
+    return ParallelLayout(
+        tp=parsed.tp_size,
+        dp=parsed.dp_size,
+        pp=parsed.pp_size,
+        nnodes=parsed.nnodes,
+        node_rank=parsed.node_rank,
+        dp_attention=bool(getattr(parsed, "enable_dp_attention", False)),
+    )
+
+
 def rank_count(extra_args: list[str]) -> int:
-    """Scheduler processes the server will start: tp * dp * pp from sglang's command-line flags."""
-    sizes = {"tp": 1, "dp": 1, "pp": 1}
-    for index, arg in enumerate(extra_args):
-        flag, _, value = arg.partition("=")
-        if flag in PARALLEL_SIZE_FLAGS:
-            sizes[PARALLEL_SIZE_FLAGS[flag]] = int(value or extra_args[index + 1])
-    return math.prod(sizes.values())
+    """Scheduler processes the server will start on this node."""
+    return parallel_layout(extra_args).ranks_on_this_node
 
 
 def core_ranges(cores: list[int]) -> str:
@@ -149,11 +191,17 @@ def engine_env(device: str, extra_args: list[str] | None = None) -> dict[str, st
         # from ~350 ms with PASSIVE to 2.9-4.6 s without, benchmarks/bench_realtime.py, 2026-12-02).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH", "")) if p)
-        ranks = rank_count(list(extra_args or []))
-        if ranks > 1:
-            settings = multi_rank_cpu_env(ranks, list(os.sched_getaffinity(0)))
+        layout = parallel_layout(list(extra_args or []))
+        if layout.ranks_on_this_node > 1:
+            settings = multi_rank_cpu_env(layout.ranks_on_this_node, list(os.sched_getaffinity(0)))
             chosen = " ".join(f"{name}={value}" for name, value in settings.items())
-            logger.info("%d CPU ranks: %s", ranks, chosen or "the user's binding")
+            logger.info(
+                "%d CPU ranks on node %d of %d: %s",
+                layout.ranks_on_this_node,
+                layout.node_rank,
+                layout.nnodes,
+                chosen or "the user's binding",
+            )
             env.update(settings)
     return env
 
@@ -197,13 +245,14 @@ class SglangServer:
         port: int | None = None,
         ready_timeout_s: float = 240.0,
         name: str = "server",
+        env: dict[str, str] | None = None,
     ):
         self.model_path = model_path
         self.device = device
         self.extra_args = extra_args
         self.fixed_port = port
         self.name = name
-        self.env = engine_env(device, extra_args)
+        self.env = {**engine_env(device, extra_args), **(env or {})}  # ``env``: settings that win over the chosen ones
         self.ready_timeout_s = ready_timeout_s
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self._use_port(port or free_port())

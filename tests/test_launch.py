@@ -89,3 +89,53 @@ def test_every_try_taken_gives_up_after_the_last(stand_in, held_port, monkeypatc
     with pytest.raises(PortTakenError):
         server.start(port_attempts=2)
     assert server.process.poll() is not None
+
+
+# (sglang arguments, (tp, dp, pp, nnodes, node_rank), scheduler processes on this node). The per-node count follows
+# sglang's ``entrypoints/engine.py::_calculate_rank_ranges``: a node runs tp_size // nnodes TP ranks of each replica.
+LAYOUTS = [
+    ([], (1, 1, 1, 1, 0), 1),
+    (["--tp", "2"], (2, 1, 1, 1, 0), 2),  # argparse's unambiguous prefix of --tp-size: sglang accepts it
+    (["--tp-size", "2"], (2, 1, 1, 1, 0), 2),
+    (["--tp-size=2"], (2, 1, 1, 1, 0), 2),
+    (["--tensor-parallel-size", "2"], (2, 1, 1, 1, 0), 2),
+    (["--dp", "2"], (1, 2, 1, 1, 0), 2),
+    (["--dp-size", "2", "--tp", "2"], (2, 2, 1, 1, 0), 4),
+    (["--dp-size", "2", "--tp", "2", "--enable-dp-attention"], (2, 2, 1, 1, 0), 2),  # DP inside the TP group
+    (["--nnodes", "2", "--node-rank", "1", "--tp", "2"], (2, 1, 1, 2, 1), 1),
+    (["--tp", "8", "--nnodes", "2", "--node-rank", "0"], (8, 1, 1, 2, 0), 4),
+    (["--pipeline-parallel-size", "2", "--tp-size", "2"], (2, 1, 2, 1, 0), 4),
+]
+
+
+@pytest.mark.parametrize("args,sizes,on_this_node", LAYOUTS, ids=[" ".join(a) or "default" for a, _, _ in LAYOUTS])
+def test_parallel_layout_reads_every_spelling_sglang_accepts(args, sizes, on_this_node):
+    layout = launch.parallel_layout(["--dtype", "float32", *args])
+    assert (layout.tp, layout.dp, layout.pp, layout.nnodes, layout.node_rank) == sizes
+    assert layout.ranks_on_this_node == on_this_node
+
+
+def test_arguments_sglang_rejects_give_one_rank_and_leave_the_error_to_sglang():
+    assert launch.parallel_layout(["--pp", "2"]).ranks_on_this_node == 1  # ambiguous: --pp-size, --pp-max-...
+
+
+@pytest.mark.parametrize("args,bind,threads", [
+    (["--tp", "2"], "0-3|4-7", "4"),  # the spelling the old flag table missed: no split, stock refused to start
+    (["--dp", "2"], "0-3|4-7", "4"),
+    (["--tp", "4", "--nnodes", "2", "--node-rank", "1"], "0-3|4-7", "4"),  # 2 of the 4 ranks run here: all cores
+    (["--tp", "2", "--nnodes", "2", "--node-rank", "1"], None, None),  # one rank here: every core, no split
+])  # fmt: skip
+def test_cpu_cores_are_split_over_the_ranks_of_this_node(args, bind, threads, monkeypatch):
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv(launch.THREADS_BIND_ENV, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = launch.engine_env("cpu", args)
+    assert env.get(launch.THREADS_BIND_ENV) == bind
+    assert env.get("OMP_NUM_THREADS") == threads
+
+
+def test_a_port_span_is_free_as_a_whole():
+    port = free_port(span=8)
+    for offset in range(8):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port + offset))
