@@ -22,9 +22,9 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
