@@ -1,6 +1,10 @@
 """A client of ``WS /v1/video/realtime`` (the realtime protocol the plugin serves, sglang-omni-realtime's): used
 by ``make demo-realtime``, ``benchmarks/bench_realtime.py`` and the served tests, as a user's client would be.
 
+The same socket answers on ``/v1/realtime`` (the path sglang's gateway, smg, relays: ``/v1/realtime?model=NAME``, with
+an ``Authorization`` header): :func:`realtime_url` builds either, and ``headers`` (an API key: ``{"Authorization":
+"Bearer KEY"}``) and ``subprotocols`` (a browser's way to send one) go with the handshake.
+
 One :class:`RealtimeClient` is one session. Every server event is kept in ``events`` (with its arrival time); the
 helpers send inputs in protocol order and wait for the events that answer them.
 """
@@ -12,11 +16,20 @@ import io
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
+from urllib.parse import urlencode
 
 import websockets
 
 PARKED_EVENTS = ("response.turn.silence", "response.done")
+VIDEO_REALTIME_PATH = "/v1/video/realtime"
+GATEWAY_PATH = "/v1/realtime"
+
+
+def realtime_url(base_url: str, path: str = VIDEO_REALTIME_PATH, model: Optional[str] = None) -> str:
+    """``ws://HOST:PORT{path}`` from a server's ``http://HOST:PORT`` (``?model=`` for smg's route)."""
+    url = base_url.replace("https://", "wss://").replace("http://", "ws://").rstrip("/") + path
+    return f"{url}?{urlencode({'model': model})}" if model else url
 
 
 @dataclass
@@ -27,18 +40,28 @@ class Received:
 
 @dataclass
 class RealtimeClient:
-    url: str  # ws://127.0.0.1:PORT/v1/video/realtime
+    url: str  # ws://127.0.0.1:PORT/v1/video/realtime (see realtime_url)
+    headers: Optional[dict] = None  # extra handshake headers (Authorization: Bearer KEY)
+    subprotocols: Optional[Sequence[str]] = None  # offered subprotocols (a browser's key: openai-insecure-api-key.KEY)
     events: list[Received] = field(default_factory=list)
     next_seq_no: int = 0
     socket: Optional[object] = None
     _arrived: asyncio.Condition = field(default_factory=asyncio.Condition)
     _reader: Optional[asyncio.Task] = None
 
+    async def connect(self) -> dict:
+        """Open the socket; -> the server's first event (``session.created``, or the capacity refusal's error)."""
+        self.socket = await websockets.connect(
+            self.url, max_size=None, additional_headers=self.headers, subprotocols=self.subprotocols
+        )
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        return await self.wait_for(("session.created", "error"))
+
     async def open(self, **configure) -> dict:
         """Connect, configure (fields of ``session.configure``), wait for ``session.ready``; -> session.configured."""
-        self.socket = await websockets.connect(self.url, max_size=None)
-        self._reader = asyncio.get_running_loop().create_task(self._read())
-        await self.wait_for("session.created")
+        first = await self.connect()
+        if first["type"] == "error":
+            raise RuntimeError(f"session refused: {first}")
         await self.send({"type": "session.configure", **configure})
         configured = await self.wait_for(("session.configured", "error"))
         if configured["type"] == "error":

@@ -80,9 +80,14 @@ class FakeEngine:
         self.configs: list = []
         self.sessions: list = []
         self.refuse = None
+        self.full = None  # refuse at the handshake (check_capacity)
 
     def capabilities(self) -> dict:
         return {}
+
+    def check_capacity(self, waiting=0):
+        if self.full is not None:
+            raise self.full
 
     async def open(self, config):
         self.configs.append(config)
@@ -592,3 +597,107 @@ def test_engine_refusing_an_input(client, engine):
         ws.send_json({"type": "input.prompt", "seq_no": 0, "prompt": "x"})
         assert_error(ws.receive_json())
         assert send_frame(ws, 0, 0.0)["seq_no"] == 0  # the refused prompt did not take seq_no 0
+
+
+# -- the handshake: a full server refuses before session.created; --api-key guards the socket
+
+
+def test_a_full_server_refuses_before_session_created(client, engine):
+    """The real server (sglang-omni-realtime `serve/video_realtime.py`, `register_video_realtime`): the first event
+    is `error{code: session_capacity_exceeded}`, then close 1013; no session is opened."""
+    engine.full = api.RealtimeError("session_capacity_exceeded", "no free session slot")
+    with client.websocket_connect(URL) as ws:
+        assert ws.receive_json() == {
+            "type": "error",
+            "code": "session_capacity_exceeded",
+            "message": "no free session slot",
+        }
+        with pytest.raises(WebSocketDisconnect) as closed:
+            ws.receive_json()
+        assert closed.value.code == 1013
+    assert engine.configs == [] and engine.sessions == []
+
+
+def test_a_connection_not_yet_configured_holds_its_place(engine):
+    """Capacity counts the connections between the handshake and `session.configure` (the real server counts a
+    session from its handshake): the engine is told how many wait."""
+    seen = []
+    engine.check_capacity = lambda waiting=0: seen.append(waiting)
+    app = FastAPI()
+    mount(app, engine)
+    with TestClient(app) as test_client:
+        with test_client.websocket_connect(URL) as first:
+            first.receive_json()
+            with test_client.websocket_connect(URL) as second:
+                second.receive_json()
+    assert seen == [0, 1]
+
+
+def test_an_invalid_configuration_can_be_retried(client, engine):
+    """An engine refusing a configuration with invalid_request (max_new_tokens over the context) leaves the
+    connection waiting for another configure."""
+    engine.refuse = api.RealtimeError("invalid_request", "max_new_tokens does not fit the context")
+    with client.websocket_connect(URL) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.configure", "max_new_tokens": 99999})
+        assert_error(ws.receive_json())
+        engine.refuse = None
+        ws.send_json({"type": "session.configure"})
+        assert ws.receive_json()["type"] == "session.configured"
+        assert ws.receive_json()["type"] == "session.ready"
+
+
+KEY = "sk-realtime-test"
+
+
+def keyed_client(engine, api_key=KEY, admin_api_key=None):
+    app = FastAPI()
+    mount(app, engine, api_keys=lambda: (api_key, admin_api_key))
+    return TestClient(app)
+
+
+@pytest.mark.parametrize(
+    "handshake",
+    [
+        {},
+        {"headers": {"Authorization": "Bearer wrong"}},
+        {"headers": {"Authorization": KEY}},  # not a bearer token
+        {"subprotocols": ["realtime", "openai-insecure-api-key.wrong"]},
+    ],
+    ids=["no-key", "wrong-key", "not-bearer", "wrong-browser-key"],
+)
+def test_a_socket_without_the_key_is_refused_at_the_handshake(engine, handshake):
+    with keyed_client(engine) as test_client:
+        with pytest.raises(WebSocketDisconnect):
+            with test_client.websocket_connect(URL, **handshake) as ws:
+                ws.receive_json()
+    assert engine.configs == [] and engine.sessions == []
+
+
+@pytest.mark.parametrize(
+    "handshake",
+    [{"headers": {"Authorization": f"Bearer {KEY}"}}, {"subprotocols": ["realtime", f"openai-insecure-api-key.{KEY}"]}],
+    ids=["header", "browser-subprotocol"],
+)
+def test_the_right_key_opens_a_session(engine, handshake):
+    with keyed_client(engine) as test_client:
+        with test_client.websocket_connect(URL, **handshake) as ws:
+            configure(ws)
+            if "subprotocols" in handshake:
+                assert ws.accepted_subprotocol == "realtime"  # a browser needs one of its offers echoed
+    assert len(engine.sessions) == 1
+
+
+def test_admin_key_rules_follow_sglang(engine):
+    """sglang's rule for a normal endpoint: with both keys set, the API key opens it (the admin key does not);
+    with only the admin key set, a normal endpoint is open."""
+    with keyed_client(engine, api_key=KEY, admin_api_key="admin") as test_client:
+        with pytest.raises(WebSocketDisconnect):
+            with test_client.websocket_connect(URL, headers={"Authorization": "Bearer admin"}) as ws:
+                ws.receive_json()
+        with test_client.websocket_connect(URL, headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            configure(ws)
+    with keyed_client(engine, api_key=None, admin_api_key="admin") as test_client:
+        with test_client.websocket_connect(URL) as ws:
+            configure(ws)
+    assert len(engine.sessions) == 2

@@ -102,26 +102,46 @@ class ServedRealtimeEngine:
         return self._tokenizer_manager_of()
 
     def capabilities(self) -> dict:
+        manager = self.tokenizer_manager
         return {
             "model": "moss-vl-realtime",
-            "page_size": self.tokenizer_manager.server_args.page_size,
+            "page_size": manager.server_args.page_size,
             "frame_window_s": self.frame_window_s,
+            "context_length": manager.context_len,
+            "max_input_pixels": self.max_input_pixels(),
         }
+
+    def max_input_pixels(self) -> Optional[int]:
+        """The processor's limit on a decoded frame's pixels (its config's ``max_input_pixels``), if it has one."""
+        return getattr(self.tokenizer_manager.mm_processor._processor.image_processor, "max_input_pixels", None)
+
+    def serves_moss_vl(self) -> bool:
+        architectures = getattr(self.tokenizer_manager.model_config.hf_config, "architectures", None) or []
+        return "MossVLForConditionalGeneration" in architectures
+
+    def check_capacity(self, waiting: int = 0) -> None:
+        self._check_capacity(self.tokenizer_manager, waiting)
 
     async def open(self, config: SessionConfig) -> "ServedSession":
         manager = self.tokenizer_manager
-        architectures = getattr(manager.model_config.hf_config, "architectures", None) or []
-        if "MossVLForConditionalGeneration" not in architectures:
+        if not self.serves_moss_vl():
+            architectures = getattr(manager.model_config.hf_config, "architectures", None)
             raise RealtimeError("unsupported_model", f"realtime sessions need a MOSS-VL model, not {architectures}")
+        if config.max_new_tokens >= manager.context_len:
+            raise RealtimeError(
+                "invalid_request",
+                f"max_new_tokens {config.max_new_tokens} does not fit the context ({manager.context_len} tokens) "
+                "with the session's prompt: ask for fewer",
+            )
         self._check_capacity(manager)
         session = ServedSession(self, config)
         self.sessions[session.session_id] = session
         session.start()
         return session
 
-    def _check_capacity(self, manager) -> None:
+    def _check_capacity(self, manager, waiting: int = 0) -> None:
         """Refuse a session the engine could not carry to a full context, or one past the request cap (a parked
-        session still holds its KV and a request slot)."""
+        session still holds its KV and a request slot; so does a connection not yet configured)."""
         info = self._scheduler_info_of() or {}
         pool, context = info.get("max_total_num_tokens"), manager.context_len
         if pool is not None and pool < context:
@@ -131,8 +151,11 @@ class ServedRealtimeEngine:
                 "smaller --context-length or a larger --max-total-tokens / --mem-fraction-static",
             )
         cap = manager.server_args.max_running_requests
-        if cap is not None and len(self.sessions) >= cap:
-            raise RealtimeError("session_capacity_exceeded", f"{len(self.sessions)} realtime sessions already open")
+        if cap is not None and len(self.sessions) + waiting >= cap:
+            raise RealtimeError(
+                "session_capacity_exceeded",
+                f"{len(self.sessions) + waiting} realtime sessions already open (capacity {cap}): retry later",
+            )
 
 
 class ServedSession:

@@ -86,9 +86,13 @@ class EngineSession(Protocol):
 
 
 class RealtimeEngine(Protocol):
-    """Opens sessions; ``open`` raises :class:`RealtimeError` (``session_capacity_exceeded``,
-    ``insufficient_kv_capacity``) when the engine cannot hold one more full context."""
+    """Opens sessions; ``check_capacity`` and ``open`` raise :class:`RealtimeError` (``session_capacity_exceeded``,
+    ``insufficient_kv_capacity``) when the engine cannot hold one more full context, ``open`` also
+    ``invalid_request`` for a configuration it cannot serve."""
 
     def capabilities(self) -> dict: ...
+
+    def check_capacity(self, waiting: int = 0) -> None:
+        """Refuse one more session while ``waiting`` more connections (not yet configured) hold a place."""
 
     async def open(self, config: SessionConfig) -> EngineSession: ...

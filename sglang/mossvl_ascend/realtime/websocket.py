@@ -2,9 +2,13 @@
 
 One connection is one :class:`~.session_api.EngineSession`:
 
+0. the handshake: with ``--api-key`` / ``--admin-api-key`` the key is checked first (401, no session state); a
+   server already holding as many sessions (configured or not) as it can carry sends
+   ``error{code: session_capacity_exceeded}`` and closes 1013 before ``session.created``, as the real server does;
 1. server ``session.created``; the client has ``configure_timeout_s`` to send a valid ``session.configure``
    (invalid messages get an error and do not reset the deadline; expiry: ``configuration_timeout``, close);
-2. ``engine.open`` (a :class:`RealtimeError` -> ``error`` with its code, then close 1013 for the capacity codes);
+2. ``engine.open`` (a :class:`RealtimeError` -> ``error`` with its code: ``invalid_request``, a configuration the
+   engine cannot serve, waits for another configure; otherwise close, 1013 for the capacity codes);
    server ``session.configured``; the engine's READY -> ``session.ready``;
 3. per frame: ``input.frame`` -> ``input.frame.ready`` (held back while the engine session holds
    ``input_queue_capacity`` pending inputs; frames are never dropped) -> binary image -> ``input.frame.accepted``
@@ -29,7 +33,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import anyio
 from fastapi import FastAPI, WebSocket
@@ -56,6 +60,22 @@ class _Limits:
     allow_benchmark_mode: bool
 
 
+# The subprotocol a browser offers with its key (browsers cannot set headers on a WebSocket), OpenAI Realtime's
+# convention for `/v1/realtime`: ``new WebSocket(url, ["realtime", "openai-insecure-api-key." + key])``.
+REALTIME_SUBPROTOCOL = "realtime"
+KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+
+
+def socket_message_limit() -> int:
+    """The largest WebSocket message the server stack (uvicorn, as sglang starts it: no ``ws_max_size``) delivers;
+    a larger one closes the connection with 1009 before the handler sees it."""
+    import inspect
+
+    import uvicorn
+
+    return int(inspect.signature(uvicorn.Config).parameters["ws_max_size"].default)
+
+
 def mount(
     app: FastAPI,
     engine: api.RealtimeEngine,
@@ -65,30 +85,90 @@ def mount(
     parked_request_timeout_s: float = 300.0,
     model_name: str = "moss-vl-realtime",
     allow_benchmark_mode: bool = False,
-) -> None:
-    """Add the realtime video endpoints to ``app``; sessions come from ``engine``.
+    api_keys: Callable[[], tuple[Optional[str], Optional[str]]] = lambda: (None, None),
+) -> Callable[[WebSocket], Awaitable[None]]:
+    """Add the realtime video endpoints to ``app``; sessions come from ``engine``. -> the WebSocket endpoint (to
+    mount under another path too).
 
     ``parked_request_timeout_s`` is only advertised in ``session.configured``: enforcing it is the engine's job.
-    ``benchmark_ignore_eos`` is refused unless ``allow_benchmark_mode`` (as in the real server).
+    ``benchmark_ignore_eos`` is refused unless ``allow_benchmark_mode`` (as in the real server). ``max_frame_bytes``
+    is capped below the server stack's message limit, so the advertised limit is the one enforced (one byte more
+    gets ``frame_too_large``, not a closed socket). ``api_keys``: sglang's ``(--api-key, --admin-api-key)``, checked
+    at the handshake as sglang's middleware checks HTTP (which passes WebSockets through unchecked).
     """
     if not configure_timeout_s > 0 or max_frame_bytes <= 0:
         raise ValueError("configure_timeout_s and max_frame_bytes must be positive")
     limits = _Limits(
         model_name,
         float(configure_timeout_s),
-        int(max_frame_bytes),
+        min(int(max_frame_bytes), socket_message_limit() - 1),
         float(parked_request_timeout_s),
         bool(allow_benchmark_mode),
     )
+    waiting: set = set()  # connections admitted and not yet configured: they hold a session slot
 
     @app.get("/v1/video/realtime/capabilities")
     async def video_realtime_capabilities() -> dict:
         return _capabilities(engine)
 
-    @app.websocket("/v1/video/realtime")
     async def video_realtime(websocket: WebSocket) -> None:
-        await websocket.accept()
-        await _Connection(websocket, engine, limits).run()
+        if not await _authorized(websocket, *api_keys()):
+            return
+        offered = websocket.scope.get("subprotocols") or ()
+        await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
+        try:
+            engine.check_capacity(waiting=len(waiting))
+        except api.RealtimeError as exc:
+            # Before session.created, as the real server refuses: a client reads its first event for this code.
+            logger.info("realtime connection refused: %s (%s)", exc.code, exc.message)
+            await websocket.send_json(p.ErrorEvent(code=exc.code, message=exc.message).dump())
+            await websocket.close(code=CAPACITY_CLOSE_CODE)
+            return
+        connection = _Connection(websocket, engine, limits, waiting)
+        waiting.add(connection)
+        try:
+            await connection.run()
+        finally:
+            waiting.discard(connection)
+
+    app.add_api_websocket_route("/v1/video/realtime", video_realtime)
+    return video_realtime
+
+
+async def _authorized(websocket: WebSocket, api_key: Optional[str], admin_api_key: Optional[str]) -> bool:
+    """sglang's HTTP rule for a normal endpoint (``decide_request_auth``) on the handshake: the key as
+    ``Authorization: Bearer`` or, from a browser, as the subprotocol ``openai-insecure-api-key.<key>``. A refused
+    handshake is answered 401 (403 where the server cannot send an HTTP response) before any session state."""
+    if not api_key and not admin_api_key:
+        return True
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
+    authorization = websocket.headers.get("authorization")
+    if authorization is None:
+        for offered in websocket.scope.get("subprotocols") or ():
+            if offered.startswith(KEY_SUBPROTOCOL_PREFIX):
+                authorization = "Bearer " + offered[len(KEY_SUBPROTOCOL_PREFIX) :]
+    decision = decide_request_auth(
+        method="GET",
+        path=websocket.url.path,
+        authorization_header=authorization,
+        api_key=api_key,
+        admin_api_key=admin_api_key,
+        auth_level=AuthLevel.NORMAL,
+    )
+    if decision.allowed:
+        return True
+    logger.info("realtime handshake refused: no valid API key (%s)", websocket.url.path)
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        from fastapi.responses import JSONResponse
+
+        status = decision.error_status_code
+        await websocket.send_denial_response(
+            JSONResponse({"error": "Unauthorized" if status == 401 else "Forbidden"}, status_code=status)
+        )
+    else:
+        await websocket.close(code=1008)
+    return False
 
 
 def _capabilities(engine: api.RealtimeEngine) -> dict:
@@ -105,8 +185,9 @@ class _Ended:
 
 
 class _Connection:
-    def __init__(self, websocket: WebSocket, engine: api.RealtimeEngine, limits: _Limits):
+    def __init__(self, websocket: WebSocket, engine: api.RealtimeEngine, limits: _Limits, waiting: set):
         self.ws, self.engine, self.limits = websocket, engine, limits
+        self.waiting = waiting
         self.session_id = f"video_sess_{uuid.uuid4().hex}"
         self.request_id = f"video_req_{uuid.uuid4().hex}"
         self.send_lock = asyncio.Lock()
@@ -188,14 +269,18 @@ class _Connection:
             except p.ProtocolError as exc:
                 await self.send_error(exc)
                 continue
+            self.waiting.discard(self)  # from here the engine counts this session itself
+            try:
+                self.session = await self.engine.open(config)
+            except api.RealtimeError as exc:
+                logger.info("realtime session %s refused: %s (%s)", self.session_id, exc.code, exc.message)
+                await self.send_error(p.ProtocolError(exc.message, code=exc.code))
+                if exc.code == p.INVALID_REQUEST:  # a configuration the engine cannot serve: the client may retry
+                    self.waiting.add(self)
+                    continue
+                await self._close_socket(CAPACITY_CLOSE_CODE if exc.code in _CAPACITY_CODES else 1011)
+                return False
             break
-        try:
-            self.session = await self.engine.open(config)
-        except api.RealtimeError as exc:
-            logger.info("realtime session %s refused: %s (%s)", self.session_id, exc.code, exc.message)
-            await self.send_error(p.ProtocolError(exc.message, code=exc.code))
-            await self._close_socket(CAPACITY_CLOSE_CODE if exc.code in _CAPACITY_CODES else 1011)
-            return False
         self.config = event
         await self.send(
             p.SessionConfiguredEvent(
