@@ -1,0 +1,236 @@
+"""The media half of the MOSS-VL processor: the real checkpoint's image AND video settings, and the pixels.
+
+One object holds both because our checkpoints load it as one transformers image processor (``AutoImageProcessor``,
+saved in ``processor_config.json``); :meth:`MossVLImageProcessor.from_real_configs` reads a published checkpoint's
+two files (``preprocessor_config.json``: ``size``, ``multi_image_max_pixels``, patch/merge sizes, mean/std;
+``video_preprocessor_config.json``: ``size``, ``video_max_pixels``, ``video_fps``, ``min_frames``, ``max_frames``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from PIL import Image
+from transformers import BaseImageProcessor, BatchFeature
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+from .images import (
+    DEFAULT_IMAGE_SIZE,
+    DEFAULT_MULTI_IMAGE_MAX_PIXELS,
+    Patchifier,
+    blank_frame,
+    image_tensor,
+    load_image,
+    shared_image_budgets,
+)
+from .video import (
+    DEFAULT_VIDEO_SIZE,
+    SampledVideo,
+    decode_clip,
+    frame_count,
+    sample_clip,
+    sample_segments,
+    share_max_frames,
+    video_path_of,
+    video_target_size,
+    volume_budgets,
+)
+
+# Real preprocessor_config.json keys taken as they are (the rest of that file is transformers bookkeeping).
+REAL_IMAGE_KEYS = ("size", "multi_image_max_pixels", "patch_size", "temporal_patch_size", "merge_size")
+REAL_NORMALISATION_KEYS = ("image_mean", "image_std")
+# Real video_preprocessor_config.json keys, and the names they take here.
+REAL_VIDEO_KEYS = {
+    "size": "video_size",
+    "video_max_pixels": "video_max_pixels",
+    "video_fps": "video_fps",
+    "min_frames": "min_frames",
+    "max_frames": "max_frames",
+}
+# Per-call media settings (sglang's images_kwargs / videos_kwargs, the runners' media_kwargs) -> attribute.
+CALL_SETTINGS = {
+    "min_pixels": "min_pixels",
+    "max_pixels": "max_pixels",
+    "multi_image_max_pixels": "multi_image_max_pixels",
+    "video_max_pixels": "video_max_pixels",
+    "video_fps": "video_fps",
+    "fps": "video_fps",
+    "min_frames": "min_frames",
+    "max_frames": "max_frames",
+}
+
+# Every constructor setting (what a per-call copy carries over).
+SETTINGS = (
+    "size",
+    "multi_image_max_pixels",
+    "patch_size",
+    "temporal_patch_size",
+    "merge_size",
+    "image_mean",
+    "image_std",
+    "video_size",
+    "video_max_pixels",
+    "video_fps",
+    "min_frames",
+    "max_frames",
+    "max_input_pixels",
+)
+
+
+class MossVLImageProcessor(BaseImageProcessor):
+    """Image and video preprocessing of the real MOSS-VL processor (module docstrings of ``images``/``video``).
+
+    Settings (real names): ``size`` {shortest_edge = min pixels, longest_edge = max pixels} of one image;
+    ``multi_image_max_pixels`` the budget all images of one call share; ``video_size`` (the video config's
+    ``size``) bounds one video frame; ``video_max_pixels`` the frames*height*width budget all videos of one call
+    share (None: no shared budget); ``video_fps``, ``min_frames``, ``max_frames``; ``min_pixels`` / ``max_pixels``
+    override ``size`` as in Qwen2-VL's image processors. ``max_input_pixels`` is ours:
+    a decoded image or frame larger than that is refused, not resized (a server should not hold it)."""
+
+    model_input_names = ["pixel_values", "grid_thw"]
+
+    def __init__(
+        self,
+        size: Optional[dict] = None,
+        multi_image_max_pixels: int = DEFAULT_MULTI_IMAGE_MAX_PIXELS,
+        patch_size: int = 16,
+        temporal_patch_size: int = 1,
+        merge_size: int = 2,
+        image_mean: Sequence[float] = (0.5, 0.5, 0.5),
+        image_std: Sequence[float] = (0.5, 0.5, 0.5),
+        video_size: Optional[dict] = None,
+        video_max_pixels: Optional[int] = None,
+        video_fps: float = 1.0,
+        min_frames: int = 1,
+        max_frames: int = 256,
+        max_input_pixels: int = 8192 * 8192,
+        min_pixels: Optional[int] = None,
+        max_pixels: Optional[int] = None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.size = dict(size or DEFAULT_IMAGE_SIZE)
+        # Qwen2-VL's image processors take min_pixels / max_pixels as overrides of size's two edges.
+        if min_pixels is not None:
+            self.size["shortest_edge"] = min_pixels
+        if max_pixels is not None:
+            self.size["longest_edge"] = max_pixels
+        self.multi_image_max_pixels = multi_image_max_pixels
+        self.patch_size, self.temporal_patch_size, self.merge_size = patch_size, temporal_patch_size, merge_size
+        self.image_mean, self.image_std = list(image_mean), list(image_std)
+        self.video_size = dict(video_size or DEFAULT_VIDEO_SIZE)
+        self.video_max_pixels = video_max_pixels
+        self.video_fps, self.min_frames, self.max_frames = video_fps, min_frames, max_frames
+        self.max_input_pixels = max_input_pixels
+        Patchifier(patch_size, temporal_patch_size, merge_size, image_mean, image_std)  # refuses what MOSS-VL cannot
+
+    @classmethod
+    def from_real_configs(cls, checkpoint: str | Path, **overrides: Any) -> "MossVLImageProcessor":
+        """Built from a published checkpoint's ``preprocessor_config.json`` and, when present,
+        ``video_preprocessor_config.json`` (real key names; unknown keys ignored)."""
+        checkpoint = Path(checkpoint)
+        image = json.loads((checkpoint / "preprocessor_config.json").read_text())
+        settings = {key: image[key] for key in REAL_IMAGE_KEYS + REAL_NORMALISATION_KEYS if key in image}
+        video_file = checkpoint / "video_preprocessor_config.json"
+        if video_file.is_file():
+            video = json.loads(video_file.read_text())
+            settings.update({ours: video[real] for real, ours in REAL_VIDEO_KEYS.items() if real in video})
+        return cls(**{**settings, **overrides})
+
+    # ---- settings
+
+    @property
+    def min_pixels(self) -> int:
+        return self.size["shortest_edge"]
+
+    @property
+    def max_pixels(self) -> int:
+        return self.size["longest_edge"]
+
+    def with_settings(self, settings: dict) -> "MossVLImageProcessor":
+        """A copy with per-call settings (``CALL_SETTINGS`` names; unknown names and None values ignored)."""
+        chosen = {CALL_SETTINGS[k]: v for k, v in settings.items() if k in CALL_SETTINGS and v is not None}
+        if not chosen:
+            return self
+        return type(self)(**{**{name: getattr(self, name) for name in SETTINGS}, **chosen})
+
+    @property
+    def patchifier(self) -> Patchifier:
+        return Patchifier(self.patch_size, self.temporal_patch_size, self.merge_size, self.image_mean, self.image_std)
+
+    def check_input_size(self, height: int, width: int) -> None:
+        if height * width > self.max_input_pixels:
+            raise ValueError(
+                f"image of {width}x{height} = {width * height} pixels is larger than this model's limit "
+                f"max_input_pixels={self.max_input_pixels} (processor config)"
+            )
+
+    # ---- images
+
+    def images(self, images: Sequence[Any]) -> list[tuple[torch.Tensor, list[int]]]:
+        """(patches, [1, gh, gw]) per image of one call, the batch budget shared among them."""
+        pictures = [image_tensor(load_image(image)) for image in images]
+        for picture in pictures:
+            self.check_input_size(*picture.shape[-2:])
+        sizes = [tuple(picture.shape[-2:]) for picture in pictures]
+        budgets = shared_image_budgets(sizes, self.multi_image_max_pixels, self.min_pixels, self.max_pixels)
+        patchify = self.patchifier
+        media = []
+        for picture, (height, width), budget in zip(pictures, sizes, budgets):
+            target = smart_resize(height, width, patchify.factor, self.min_pixels, budget)
+            media.append(patchify(picture.unsqueeze(0), *target))
+        return media
+
+    def patchify_frames(self, frames: Sequence[Image.Image], max_pixels: Optional[int]) -> tuple[torch.Tensor, list]:
+        """Frames of one medium resized like one image capped at ``max_pixels`` (None: the video frame maximum):
+        how the realtime stream turns a pushed frame into patches."""
+        stacked = torch.stack([image_tensor(load_image(frame)) for frame in frames])
+        self.check_input_size(*stacked.shape[-2:])
+        limit = self.video_size["longest_edge"] if max_pixels is None else max_pixels
+        patchify = self.patchifier
+        return patchify(stacked, *smart_resize(*stacked.shape[-2:], patchify.factor, self.min_pixels, limit))
+
+    def blank_frame(self) -> tuple[torch.Tensor, list[int]]:
+        return blank_frame(self.patch_size, self.merge_size, self.temporal_patch_size)
+
+    # ---- videos
+
+    def sample_videos(self, videos: Sequence[Any]) -> list[SampledVideo]:
+        """Each video input's sampled frames (a segments dict gives one video per segment)."""
+        clips = [decode_clip(video_path_of(video)) for video in videos]
+        shares = share_max_frames([clip.duration for clip in clips], self.max_frames)
+        sampled = []
+        for video, clip, share in zip(videos, clips, shares):
+            if isinstance(video, dict) and "segments" in video:
+                sampled += sample_segments(clip, video["segments"], self.video_fps, self.min_frames, share)
+            else:
+                # a whole clip is also capped by how many minimum-size frames the total budget holds
+                if self.video_max_pixels is not None and self.video_size["shortest_edge"] > 0:
+                    share = min(share, self.video_max_pixels // self.video_size["shortest_edge"])
+                sampled.append(sample_clip(clip, frame_count(clip, self.video_fps, self.min_frames, share)))
+        return sampled
+
+    def videos(self, sampled: Sequence[SampledVideo]) -> list[tuple[torch.Tensor, list[int]]]:
+        """(patches, [frames, gh, gw]) per sampled video, the call's video budget shared by volume."""
+        for video in sampled:
+            self.check_input_size(*video.frames.shape[-2:])
+        volumes = [v.frames.shape[0] * v.frames.shape[-2] * v.frames.shape[-1] for v in sampled]
+        frame_min, frame_max = self.video_size["shortest_edge"], self.video_size["longest_edge"]
+        budgets = volume_budgets(volumes, self.video_max_pixels, frame_max)
+        patchify = self.patchifier
+        media = []
+        for video, budget in zip(sampled, budgets):
+            count, height, width = video.frames.shape[0], *video.frames.shape[-2:]
+            target = video_target_size(count, height, width, patchify.factor, frame_min, budget, frame_min, frame_max)
+            media.append(patchify(video.frames, *target))
+        return media
+
+    def preprocess(self, images, **kwargs) -> BatchFeature:
+        """Stand-alone image preprocessing (one call: one shared budget)."""
+        media = self.images(images if isinstance(images, (list, tuple)) else [images])
+        return BatchFeature(
+            {"pixel_values": torch.cat([p for p, _ in media]), "grid_thw": torch.tensor([g for _, g in media])}
+        )
