@@ -96,11 +96,15 @@ class ParallelLayout:
     dp_attention: bool = False  # DP groups inside the TP group: no scheduler processes of their own
 
     @property
+    def world_size(self) -> int:
+        """Scheduler processes over all nodes (what stock compares with this node's NUMA nodes)."""
+        return self.tp * self.pp * (1 if self.dp_attention else self.dp)
+
+    @property
     def ranks_on_this_node(self) -> int:
         """Scheduler processes this node starts: sglang spreads every TP x PP group (and every DP replica) evenly
         over the nodes (``entrypoints/engine.py::_calculate_rank_ranges``)."""
-        replicas = 1 if self.dp_attention else self.dp
-        return max(1, self.tp * self.pp * replicas // self.nnodes)
+        return max(1, self.world_size // self.nnodes)
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -165,11 +169,11 @@ def cpu_threads_bind(ranks: int, cores: list[int]) -> str:
 
 
 def multi_rank_cpu_env(ranks: int, cores: list[int]) -> dict[str, str]:
-    """Settings that let a CPU server run ``ranks`` scheduler processes on this machine's ``cores``.
+    """Settings that let a CPU server run ``ranks`` scheduler processes (of a multi-rank world) on ``cores``.
 
-    Without ``SGLANG_CPU_OMP_THREADS_BIND`` stock sglang refuses more ranks than NUMA nodes, so one core group
-    per rank is chosen. sglang applies that bind only with its CPU kernels (AMX or arm64); elsewhere each rank
-    would start one OpenMP thread per core and the ranks would oversubscribe the machine, so
+    Without ``SGLANG_CPU_OMP_THREADS_BIND`` stock sglang refuses a world of more ranks than NUMA nodes, so one core
+    group per rank of this node is chosen. sglang applies that bind only with its CPU kernels (AMX or arm64);
+    elsewhere each rank would start one OpenMP thread per core and the ranks would oversubscribe the machine, so
     ``OMP_NUM_THREADS`` is set to the cores per rank as well. Variables already set by the user win.
     """
     settings = {THREADS_BIND_ENV: cpu_threads_bind(ranks, cores), "OMP_NUM_THREADS": str(max(1, len(cores) // ranks))}
@@ -192,7 +196,9 @@ def engine_env(device: str, extra_args: list[str] | None = None) -> dict[str, st
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH", "")) if p)
         layout = parallel_layout(list(extra_args or []))
-        if layout.ranks_on_this_node > 1:
+        # Stock refuses a world larger than this node's NUMA nodes unless a bind names the cores of each rank that
+        # runs here (indexed by the rank's device id on this node): node 1 of a 2-node TP=2 needs it for its one rank.
+        if layout.world_size > 1:
             settings = multi_rank_cpu_env(layout.ranks_on_this_node, list(os.sched_getaffinity(0)))
             chosen = " ".join(f"{name}={value}" for name, value in settings.items())
             logger.info(

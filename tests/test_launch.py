@@ -123,7 +123,10 @@ def test_arguments_sglang_rejects_give_one_rank_and_leave_the_error_to_sglang():
     (["--tp", "2"], "0-3|4-7", "4"),  # the spelling the old flag table missed: no split, stock refused to start
     (["--dp", "2"], "0-3|4-7", "4"),
     (["--tp", "4", "--nnodes", "2", "--node-rank", "1"], "0-3|4-7", "4"),  # 2 of the 4 ranks run here: all cores
-    (["--tp", "2", "--nnodes", "2", "--node-rank", "1"], None, None),  # one rank here: every core, no split
+    (["--tp", "2", "--nnodes", "2", "--node-rank", "1"], "0-7", "8"),  # one rank here: every core; the bind is
+    # still needed, stock compares the world (2 ranks) with this node's NUMA nodes
+    ([], None, None),
+    (["--nnodes", "2", "--node-rank", "1"], None, None),  # one rank in all: nothing to split
 ])  # fmt: skip
 def test_cpu_cores_are_split_over_the_ranks_of_this_node(args, bind, threads, monkeypatch):
     monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)))
@@ -139,3 +142,40 @@ def test_a_port_span_is_free_as_a_whole():
     for offset in range(8):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port + offset))
+
+
+@pytest.mark.timeout(900)
+def test_tp2_over_two_nodes_spelled_tp_serves_the_reference_tokens_at_page_128(checkpoint):
+    """``--tp 2 --nnodes 2 --node-rank 0|1 --dist-init-addr 127.0.0.1:P``: two launches on loopback, one TP rank each
+    (node 1 runs its scheduler and a health-only HTTP server), greedy tokens equal to the reference model (fp32).
+    Each node gets one core's worth of OpenMP threads: both share this machine, where real nodes would not."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from support.serving import CASES, load_reference, reference_ids, served_ids
+
+    cases = ("image_data_url", "video")
+    model, processor = load_reference(checkpoint)
+    expected = {name: reference_ids(model, processor, CASES[name]) for name in cases}
+    del model
+    dist_port = free_port(span=8)
+    args = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{dist_port}", "--page-size", "128"]
+    args += ["--dtype", "float32", "--skip-server-warmup"]
+    nodes = [
+        SglangServer(checkpoint, extra_args=[*args, "--node-rank", str(rank)], name=f"launch-node{rank}",
+                     env={launch.THREADS_BIND_ENV: str(rank), "OMP_NUM_THREADS": "1"})
+        for rank in (0, 1)
+    ]  # fmt: skip
+    try:
+        with ThreadPoolExecutor(2) as pool:  # node 0 is healthy only once node 1 joined: start both at once
+            list(pool.map(SglangServer.start, nodes))
+        client = OpenAI(base_url=f"{nodes[0].base_url}/v1", api_key="none", max_retries=0, timeout=300)
+        name = client.models.list().data[0].id
+        for case in cases:
+            answer = served_ids(client, name, CASES[case])
+            assert (answer["prompt_ids"], answer["completion_ids"]) == expected[case], case
+        assert "tp_rank=1/2" in nodes[1].log_path.read_text(errors="replace"), "node 1 runs TP rank 1 with the plugin"
+    finally:
+        for node in nodes:  # node 0 first: its shutdown stops node 1's scheduler
+            node.stop()
