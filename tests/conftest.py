@@ -1,10 +1,16 @@
-"""Test-session set-up: the CPU engine environment, before anything imports sglang.
+"""Test-session set-up: the CPU engine environment, before anything imports sglang; the `served` tier; the server
+pool; the served modules' timings.
 
 The Makefile sets the same variables; setting them here too lets `pytest` run directly.
+
+The `served` marker (`make test-fast` runs `-m "not served"`) is applied here, and only here: to every test that uses
+the `server_pool` fixture (directly or through a fixture), and to the tests in `SERVED_WITHOUT_POOL` (servers started
+another way). A test without the marker that starts a server anyway fails (`support/served_guard.py`).
 """
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,9 +27,128 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 for path in (str(CPU_SHIM), str(REPO_ROOT), str(PLUGIN_SRC)):
     if path not in sys.path:
         sys.path.insert(0, path)
+# The served-marker check in every process a test starts (a sitecustomize; it does nothing in a served test).
+SERVED_GUARD_SITE = REPO_ROOT / "tests" / "support" / "served_guard_site"
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(PLUGIN_SRC), str(CPU_SHIM), os.environ.get("PYTHONPATH", "")) if p
+    p for p in (str(PLUGIN_SRC), str(CPU_SHIM), os.environ.get("PYTHONPATH", ""), str(SERVED_GUARD_SITE)) if p
 )
+
+from serving import launch  # noqa: E402  (after the environment above)
+from support import served_guard  # noqa: E402
+from support.server_pool import ServerPool  # noqa: E402
+from support.suite_timings import SuiteTimings  # noqa: E402
+
+# Tests that start a server without the pool: module -> the fixtures that start one (a test using any of them is
+# served), the test functions that start one themselves, or "*" (every test of the module).
+SERVED_WITHOUT_POOL = {
+    "test_bench_realtime.py": "*",  # benchmarks/bench_realtime.py --quick serves the tiny-realtime model
+    "test_npu_route_served.py": {"served"},
+    "test_run_online_inference.py": {"test_serve_on_loopback_with_uvicorn"},  # the runner's --serve
+    "test_serving_bf16.py": {"served"},
+    "test_serving_kv_layout.py": {"default_layout", "stock_layout"},
+    "test_serving_multirank.py": {"served"},
+    "test_serving_realtime.py": {  # an in-process sglang.Engine (run_engine)
+        "test_one_session_equals_the_reference_stream",
+        "test_a_windowed_session_equals_the_reference_log_probabilities",
+        "test_a_pool_smaller_than_a_context_refuses_a_session",
+        "test_a_prompt_barges_into_a_served_turn",
+        "test_a_rate_cap_paces_each_turn",
+    },
+    "test_serving_realtime_ws.py": "*",
+}
+# Served modules whose servers the pool shares, in the order that lets each borrow the one before's (the other
+# served modules follow, by name; modules with no served test run first, in collection order).
+SHARED_SERVER_ORDER = ["test_serving.py", "test_serving_cache.py", "test_serving_chunked.py", "test_serving_paged.py"]
+# At most this many servers alive at once (more only while every one is in use): ~1.5 GB each.
+POOL_MAX_ALIVE = 2
+TIMINGS_PATH = REPO_ROOT / "build" / "test-timings.json"
+
+TIMINGS = SuiteTimings()
+served_guard.refuse_sglang_child_processes()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "served: starts a server (sglang HTTP, in-process sglang.Engine, runner --serve)"
+    )
+    _record_server_starts()
+
+
+def _record_server_starts() -> None:
+    """Every real sglang server start (the pool's and any other) is charged to the module whose test started it."""
+    original = launch.SglangServer.start
+    if getattr(original, "timed", False):
+        return
+
+    def start(self, *args, **kwargs):
+        started = time.monotonic()
+        original(self, *args, **kwargs)
+        if served_guard.server_in_command(self.command):
+            TIMINGS.add_server_start(time.monotonic() - started)
+
+    start.timed = True
+    launch.SglangServer.start = start
+
+
+def starts_a_server(item) -> bool:
+    if "server_pool" in item.fixturenames:
+        return True
+    registered = SERVED_WITHOUT_POOL.get(item.path.name)
+    if registered is None:
+        return False
+    if registered == "*":
+        return True
+    return bool(registered & set(item.fixturenames)) or getattr(item, "originalname", item.name) in registered
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if starts_a_server(item):
+            item.add_marker(pytest.mark.served)
+    served_modules = {item.path.name for item in items if item.get_closest_marker("served")}
+
+    def module_rank(item):
+        name = item.path.name
+        if name not in served_modules:
+            return (0, 0, "")
+        shared = SHARED_SERVER_ORDER.index(name) if name in SHARED_SERVER_ORDER else len(SHARED_SERVER_ORDER)
+        return (1, shared, name)
+
+    items.sort(key=module_rank)  # stable: each module keeps its own order
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    TIMINGS.current_module = item.path.name
+    if item.get_closest_marker("served"):
+        os.environ.pop(served_guard.UNMARKED_TEST_ENV, None)
+    else:
+        os.environ[served_guard.UNMARKED_TEST_ENV] = item.nodeid
+
+
+def pytest_runtest_logreport(report):
+    TIMINGS.add_test_phase(Path(report.fspath).name, report.duration, "served" in report.keywords)
+
+
+def pytest_sessionfinish(session):
+    os.environ.pop(served_guard.UNMARKED_TEST_ENV, None)
+    TIMINGS.write(TIMINGS_PATH)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TIMINGS.served_rows():
+        terminalreporter.write_sep("-", f"served modules (also in {TIMINGS_PATH.relative_to(REPO_ROOT)})")
+        terminalreporter.write_line(TIMINGS.table())
+
+
+@pytest.fixture(scope="session")
+def server_pool():
+    """The session's sglang servers (``support/server_pool.py``); a test using it is ``served``."""
+    pool = ServerPool(max_alive=POOL_MAX_ALIVE, on_reuse=lambda server: TIMINGS.add_server_reuse())
+    try:
+        yield pool
+    finally:
+        pool.close()
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@
 Every answer is compared with the reference transformers model (fp32, greedy) token for token: this is the
 proof that the frame-causal cross-attention mask survives the whole engine (processor, scheduler, radix cache,
 the patched Ascend native attention the CPU server runs). Reference ids are computed before the server starts.
-One server for the whole module, stopped by PID.
+One server per page size for the whole module, from the session's server pool (`tests/support/server_pool.py`:
+`tests/test_serving_cache.py` borrows the same two, their cache flushed).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from openai import OpenAI
 from PIL import Image
 
 from moss_vl_reference.queries_moss_vl import data_url
-from serving.launch import SglangServer
 from support.serving import (
     CASES,
     GREEDY,
@@ -45,19 +45,9 @@ def reference(checkpoint):
 
 # Page size 1 is sglang's CPU default; 128 is the NPU's, where a request's encoder and text share pages.
 @pytest.fixture(scope="module", params=[1, 128], ids=lambda size: f"page{size}")
-def server(request, checkpoint, reference):
-    with SglangServer(
-        checkpoint,
-        extra_args=[
-            "--dtype",
-            "float32",
-            "--skip-server-warmup",
-            "--enable-cache-report",
-            "--page-size",
-            str(request.param),
-        ],
-        name=f"test-serving-page{request.param}",
-    ) as running:
+def server(request, checkpoint, reference, server_pool):
+    args = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report", "--page-size", str(request.param)]
+    with server_pool.lease(checkpoint, args, name=f"test-serving-page{request.param}") as running:
         yield running
 
 

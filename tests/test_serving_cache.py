@@ -4,7 +4,7 @@ A three-turn conversation whose later turns reuse the first turn's image (so the
 text are real radix hits, and extends run with a cached text prefix) must equal the reference model on every
 server; the cold server with the cache off is the control. A request whose encoder is longer than one 128-slot
 page is sent twice: with page size 128 the radix match ends inside the encoder span and must be dropped
-(stock sglang would trip its whole-encoder assertion), with identical output. One server at a time.
+(stock sglang would trip its whole-encoder assertion), with identical output. One server in use at a time.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from openai import OpenAI
 from PIL import Image
 
 from mossvl_ascend.attention.kv_layout import LayerBands, encoder_row_len
-from serving.launch import SglangServer
 from support.serving import ASSETS, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
 
 pytestmark = pytest.mark.timeout(900)
 
 BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"]
+# The first two are tests/test_serving.py's servers (the same arguments): the session's pool lends them, flushed.
 SERVERS = {
-    "radix_page1": BASE_ARGS,
+    "radix_page1": BASE_ARGS + ["--page-size", "1"],
     "radix_page128": BASE_ARGS + ["--page-size", "128"],
     "radix_off": BASE_ARGS + ["--disable-radix-cache"],
 }
@@ -91,8 +91,8 @@ def reference(checkpoint, long_encoder_request):
 
 
 @pytest.fixture(scope="module", params=list(SERVERS))
-def served(request, checkpoint, reference):
-    with SglangServer(checkpoint, extra_args=SERVERS[request.param], name=f"test-cache-{request.param}") as server:
+def served(request, checkpoint, reference, server_pool):
+    with server_pool.lease(checkpoint, SERVERS[request.param], name=f"test-cache-{request.param}") as server:
         client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=300)
         yield request.param, client, client.models.list().data[0].id
 

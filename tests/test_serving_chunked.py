@@ -30,7 +30,7 @@ from openai import APIConnectionError
 
 from moss_vl_reference.tiny_checkpoint import PRESETS
 from mossvl_ascend.attention.kv_layout import LayerBands, encoder_row_len
-from serving.launch import REPO_ROOT, SglangServer
+from serving.launch import REPO_ROOT
 from support.serving import (
     CASES,
     GREEDY,
@@ -56,6 +56,9 @@ BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup"]
 # An explicit -1 makes stock CPU memory resolution compute a negative --mem-fraction-static (it sizes activation
 # memory from the chunk size); the value stock resolves with its default chunk size is given instead.
 UNCHUNKED = ["--chunked-prefill-size", "-1", "--mem-fraction-static", "0.71"]
+# The unchunked server is tests/test_serving_paged.py's page-1 baseline (the same arguments; the cache report and the
+# CPU default page size spelled out): the session's server pool lends it to whichever module comes second.
+UNCHUNKED_SERVER = BASE_ARGS + ["--enable-cache-report", "--page-size", "1"] + UNCHUNKED
 ONE_ROW_CONFIGS = {
     "radix": ["--chunked-prefill-size", "1"],
     "no_radix": ["--chunked-prefill-size", "1", "--disable-radix-cache"],
@@ -154,9 +157,9 @@ def short_ttft_median(results: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def unchunked(checkpoint, processor, reference):
+def unchunked(checkpoint, processor, reference, server_pool):
     """Baseline figures of the unchunked server: prompt logprobs per case, short-request TTFT under load."""
-    with SglangServer(checkpoint, extra_args=BASE_ARGS + UNCHUNKED, name="chunked-baseline") as server:
+    with server_pool.lease(checkpoint, UNCHUNKED_SERVER, name="chunked-baseline") as server:
         client, model_name = openai_client(server)
         logprobs = all_prompt_logprobs(server, processor)
         load = run_load(client, model_name, streamed_ttft)
@@ -169,11 +172,11 @@ def served_cases(client, model_name) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_row(checkpoint, processor, reference, unchunked):
+def one_row(checkpoint, processor, reference, unchunked, server_pool):
     """Everything measured on each one-row-chunk server (each is stopped before the next server starts)."""
     results = {}
     for config, flags in ONE_ROW_CONFIGS.items():
-        with SglangServer(checkpoint, extra_args=BASE_ARGS + flags, name=f"chunked-one-row-{config}") as server:
+        with server_pool.lease(checkpoint, BASE_ARGS + flags, name=f"chunked-one-row-{config}") as server:
             client, model_name = openai_client(server)
             served = served_cases(client, model_name)
             batches = prefill_batches(server)
@@ -184,9 +187,9 @@ def one_row(checkpoint, processor, reference, unchunked):
 
 
 @pytest.fixture(scope="module")
-def mixed(checkpoint, reference, unchunked, one_row):
+def mixed(checkpoint, reference, unchunked, one_row, server_pool):
     """Everything measured on the chunk-16 + mixed-chunk server."""
-    with SglangServer(checkpoint, extra_args=BASE_ARGS + MID_QUESTION_MIXED, name="chunked-mixed") as server:
+    with server_pool.lease(checkpoint, BASE_ARGS + MID_QUESTION_MIXED, name="chunked-mixed") as server:
         client, model_name = openai_client(server)
         served = served_cases(client, model_name)
         batches = prefill_batches(server)
@@ -207,7 +210,7 @@ RETRACT_CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def retracting(checkpoint, reference, unchunked, one_row, mixed):
+def retracting(checkpoint, reference, unchunked, one_row, mixed, server_pool):
     """The parity cases at once on servers that retract a running request every 3 forwards.
 
     ``SGLANG_TEST_RETRACT=1`` is sglang's own switch: the scheduler calls the real ``ScheduleBatch.retract_decode``
@@ -215,17 +218,16 @@ def retracting(checkpoint, reference, unchunked, one_row, mixed):
     nothing kept in the radix cache) and re-queues it; it is prefilled again with its output so far.
     """
     results = {}
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("SGLANG_TEST_RETRACT", "1")
-        for name, flags in RETRACT_CONFIGS.items():
-            with SglangServer(checkpoint, extra_args=BASE_ARGS + flags, name=f"retract-{name}") as server:
-                client, model_name = openai_client(server)
-                with ThreadPoolExecutor(max_workers=len(PARITY_ORDER)) as pool:
-                    futures = {case: pool.submit(served_ids, client, model_name, CASES[case]) for case in PARITY_ORDER}
-                    served = {case: future.result() for case, future in futures.items()}
-                batches = prefill_batches(server)
-                retracted = retractions(server)
-            results[name] = {"served": served, "retracted": retracted, "batches": batches}
+    for name, flags in RETRACT_CONFIGS.items():
+        retract = {"SGLANG_TEST_RETRACT": "1"}
+        with server_pool.lease(checkpoint, BASE_ARGS + flags, env=retract, name=f"retract-{name}") as server:
+            client, model_name = openai_client(server)
+            with ThreadPoolExecutor(max_workers=len(PARITY_ORDER)) as pool:
+                futures = {case: pool.submit(served_ids, client, model_name, CASES[case]) for case in PARITY_ORDER}
+                served = {case: future.result() for case, future in futures.items()}
+            batches = prefill_batches(server)
+            retracted = retractions(server)
+        results[name] = {"served": served, "retracted": retracted, "batches": batches}
     return results
 
 

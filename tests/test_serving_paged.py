@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving.launch import REPO_ROOT, SglangServer
+from serving.launch import REPO_ROOT
 from support.serving import (
     CASES,
     cached_tokens,
@@ -46,6 +46,8 @@ PAGED_CASES = {name: CASES[name] for name in PARITY_ORDER} | {
     **{f"short{i}": short_case(i) for i in range(4)},
 }
 BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"]
+# The page-1 baseline is tests/test_serving_chunked.py's unchunked server (the same arguments): the session's server
+# pool lends it to whichever module comes second.
 PAGE_ONE = ["--page-size", "1", "--chunked-prefill-size", "-1", "--mem-fraction-static", "0.71"]
 # Two pages per chunk: with --enable-mixed-chunk stock takes one token per running request off the chunk budget
 # and rounds a new request up to whole pages, so a one-page budget admits nothing while any request decodes.
@@ -81,18 +83,18 @@ def all_logprobs(server, processor) -> dict:
 
 
 @pytest.fixture(scope="module")
-def page_one(checkpoint, processor, reference):
-    with SglangServer(checkpoint, extra_args=BASE_ARGS + PAGE_ONE, name="paged-page1") as server:
+def page_one(checkpoint, processor, reference, server_pool):
+    with server_pool.lease(checkpoint, BASE_ARGS + PAGE_ONE, name="paged-page1") as server:
         return all_logprobs(server, processor)
 
 
 @pytest.fixture(scope="module")
-def page_128(checkpoint, processor, reference, page_one):
+def page_128(checkpoint, processor, reference, page_one, server_pool):
     """Per radix setting: all cases at once (REPEATS + 1 rounds with the radix cache on), then logprobs one by one."""
     results = {}
     for config, flags in RADIX.items():
         args = BASE_ARGS + PAGE_128_CHUNKED + flags
-        with SglangServer(checkpoint, extra_args=args, name=f"paged-{config}") as server:
+        with server_pool.lease(checkpoint, args, name=f"paged-{config}") as server:
             rounds = [all_at_once(server) for _ in range(1 + (REPEATS if config == "radix" else 0))]
             results[config] = {
                 "rounds": rounds,
@@ -103,18 +105,17 @@ def page_128(checkpoint, processor, reference, page_one):
 
 
 @pytest.fixture(scope="module")
-def retracting(checkpoint, reference, page_128):
+def retracting(checkpoint, reference, page_128, server_pool):
     """All cases at once on page-128 servers that retract a running request every 3 forwards (sglang's own
     ``SGLANG_TEST_RETRACT`` switch calls the real ``ScheduleBatch.retract_decode``)."""
     results = {}
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("SGLANG_TEST_RETRACT", "1")
-        for config, flags in RADIX.items():
-            args = BASE_ARGS + PAGE_128_CHUNKED + flags
-            with SglangServer(checkpoint, extra_args=args, name=f"paged-retract-{config}") as server:
-                served = all_at_once(server)
-                retracted = retractions(server)
-            results[config] = {"served": served, "retracted": retracted}
+    for config, flags in RADIX.items():
+        args = BASE_ARGS + PAGE_128_CHUNKED + flags
+        retract = {"SGLANG_TEST_RETRACT": "1"}
+        with server_pool.lease(checkpoint, args, env=retract, name=f"paged-retract-{config}") as server:
+            served = all_at_once(server)
+            retracted = retractions(server)
+        results[config] = {"served": served, "retracted": retracted}
     return results
 
 

@@ -198,14 +198,23 @@ def openai_client(server) -> tuple[OpenAI, str]:
     return client, client.models.list().data[0].id
 
 
+def server_log(server) -> str:
+    """What ``server`` logged for this user: since the lease began for a pooled server (``support.server_pool``), the
+    whole log for one started alone."""
+    if hasattr(server, "log_text"):
+        return server.log_text()
+    return server.log_path.read_text(errors="replace")
+
+
 def prefill_batches(server) -> list[tuple[int, int, int]]:
-    """(#new-seq, #new-token, #running-req) of every prefill batch the server logged."""
-    return [tuple(map(int, m.groups())) for m in PREFILL_LINE.finditer(server.log_path.read_text(errors="replace"))]
+    """(#new-seq, #new-token, #running-req) of every prefill batch the server logged (for this user)."""
+    return [tuple(map(int, m.groups())) for m in PREFILL_LINE.finditer(server_log(server))]
 
 
 def retractions(server) -> list[int]:
-    """The requests retracted at each of sglang's test retractions (``SGLANG_TEST_RETRACT=1``) the server logged."""
-    return [int(n) for n in RETRACTION_LINE.findall(server.log_path.read_text(errors="replace"))]
+    """The requests retracted at each of sglang's test retractions (``SGLANG_TEST_RETRACT=1``) the server logged
+    (for this user)."""
+    return [int(n) for n in RETRACTION_LINE.findall(server_log(server))]
 
 
 def cached_tokens(usage) -> int:
