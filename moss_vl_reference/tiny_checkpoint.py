@@ -1,6 +1,7 @@
 """Build (or reuse) a random-weight MOSS-VL checkpoint that loads with trust_remote_code.
 
-    python -m moss_vl_reference.tiny_checkpoint [--preset tiny|tiny-mqa|tiny-realtime|bench] [--out DIR] [--seed N]
+    python -m moss_vl_reference.tiny_checkpoint [--preset tiny|tiny-mqa|tiny-realtime|tiny-real-layout|bench] \
+        [--out DIR] [--seed N]
 
 Prints the checkpoint directory as the last line of stdout. The directory holds config.json
 (with auto_map), model.safetensors (float32, seeded: same seed -> byte-identical weights), a
@@ -15,6 +16,14 @@ is multiplied by SILENCE_ROW_SCALE after seeding. A random model would almost ne
 row scaled, its logit spreads several times wider than the others', so greedy streams pick it whenever the final
 hidden state leans its way: deterministically (same seed, same streams) and often, so short turns end in silence
 and the realtime tests see the stream park and wake. The tiny and bench presets are untouched.
+
+`tiny-real-layout` is tiny-realtime's model in the published checkpoints' layout (OpenMOSS-Team/MOSS-VL-Realtime,
+0708 line): config.json in the transformers 4.57 form (`rope_scaling` with `rope_theta` beside it,
+`vision_seq_pad_multiple`, `transformers_version` 4.57.1, `auto_map` naming only the config and model classes),
+`preprocessor_config.json` and `video_preprocessor_config.json` with the published keys, bfloat16 weights under their
+published names in a sharded safetensors layout (index + one shard), and remote-code stand-ins (`real_layout/`) that
+fail to import under transformers 5.19 where the published files do. Whatever loads it must choose this project's
+code (`mossvl_ascend.checkpoint_code`).
 """
 
 import argparse
@@ -47,6 +56,18 @@ REMOTE_CODE_FILES = (
     "modeling_moss_vl.py",
     "realtime_moss_vl.py",
 )
+# The remote-code stand-ins of the real-layout preset (their file names are the published checkpoints').
+REAL_LAYOUT_DIR = PACKAGE_DIR / "real_layout"
+REAL_LAYOUT_FILES = (
+    "configuration_moss_vl.py",
+    "processing_moss_vl.py",
+    "video_processing_moss_vl.py",
+    "modeling_moss_vl.py",
+)
+# The processor's sources: the reference checkpoints' processing_moss_vl.py re-exports it, so a change there must
+# rebuild every checkpoint.
+PROCESSOR_PACKAGE_DIR = REPO_ROOT / "sglang" / "mossvl_ascend" / "processor"
+REAL_LAYOUT_TRANSFORMERS_VERSION = "4.57.1"
 STAMP = "build_stamp.json"
 
 SPECIAL_TOKENS = (
@@ -156,6 +177,9 @@ PRESETS["tiny-realtime"] = {
 }
 # The bench preset as a realtime checkpoint (benchmarks/bench_realtime.py): without the scaled <|silence|> row its
 # random weights almost never say <|silence|>, and a served turn that reaches its token limit ends the session.
+# tiny-realtime's model in the published checkpoints' file layout (see the docstring). The processor budgets are
+# the tiny preset's, under the published keys.
+PRESETS["tiny-real-layout"] = {**PRESETS["tiny-realtime"], "layout": "real"}
 PRESETS["bench-realtime"] = {
     **PRESETS["bench"],
     "chat_template": REALTIME_CHAT_TEMPLATE,
@@ -262,11 +286,36 @@ def random_weights(config: MossVLConfig, seed: int) -> dict:
     return weights
 
 
+def source_files() -> list[Path]:
+    """Every file a checkpoint build depends on (its fingerprint covers their bytes)."""
+    files = [PACKAGE_DIR / name for name in REMOTE_CODE_FILES + ("tiny_checkpoint.py",)]
+    files += [REAL_LAYOUT_DIR / name for name in REAL_LAYOUT_FILES]
+    files += sorted(PROCESSOR_PACKAGE_DIR.glob("*.py"))
+    return files
+
+
 def source_fingerprint(preset_name: str, seed: int) -> str:
     digest = hashlib.sha256(f"{preset_name}:{seed}".encode())
-    for name in REMOTE_CODE_FILES + ("tiny_checkpoint.py",):
-        digest.update((PACKAGE_DIR / name).read_bytes())
+    for path in source_files():
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def seeded_weights(preset: dict, config: MossVLConfig, tokenizer, seed: int) -> dict:
+    weights = random_weights(config, seed)
+    if "silence_row_scale" in preset:
+        weights["lm_head.weight"][tokenizer.convert_tokens_to_ids("<|silence|>")] *= preset["silence_row_scale"]
+    return weights
+
+
+def write_generation_config(directory: Path, config: MossVLConfig) -> None:
+    generation = {
+        "eos_token_id": [config.text_config.eos_token_id, config.text_config.bos_token_id],
+        "pad_token_id": config.text_config.pad_token_id,
+        "do_sample": False,
+    }
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def write_checkpoint(directory: Path, preset_name: str, seed: int) -> None:
@@ -274,11 +323,13 @@ def write_checkpoint(directory: Path, preset_name: str, seed: int) -> None:
     chat_template = preset.get("chat_template", CHAT_TEMPLATE)
     tokenizer = build_tokenizer(preset["bpe_vocab"], chat_template)
     config = build_config(preset, tokenizer)
+    if preset.get("layout") == "real":
+        write_real_layout(directory, preset, config, tokenizer, seed)
+        return
     config.save_pretrained(directory)
-    weights = random_weights(config, seed)
-    if "silence_row_scale" in preset:
-        weights["lm_head.weight"][tokenizer.convert_tokens_to_ids("<|silence|>")] *= preset["silence_row_scale"]
-    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        seeded_weights(preset, config, tokenizer, seed), str(directory / "model.safetensors"), metadata={"format": "pt"}
+    )
     image_processor = MossVLImageProcessor(**preset["processor"])
     processor = MossVLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
     MossVLProcessor.register_for_auto_class("AutoProcessor")
@@ -286,12 +337,113 @@ def write_checkpoint(directory: Path, preset_name: str, seed: int) -> None:
     processor.save_pretrained(directory)
     for name in REMOTE_CODE_FILES:
         shutil.copyfile(PACKAGE_DIR / name, directory / name)
-    generation = {
-        "eos_token_id": [config.text_config.eos_token_id, config.text_config.bos_token_id],
-        "pad_token_id": config.text_config.pad_token_id,
-        "do_sample": False,
+    write_generation_config(directory, config)
+
+
+# Keys transformers 5 writes into every config dict that a 4.57 config.json does not carry.
+TRANSFORMERS5_ONLY_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "chunk_size_feed_forward",
+        "id2label",
+        "label2id",
+        "is_encoder_decoder",
+        "output_attentions",
+        "output_hidden_states",
+        "problem_type",
+        "return_dict",
     }
-    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+)
+
+
+def real_layout_config(config: MossVLConfig) -> dict:
+    """config.json as the published checkpoints write it (transformers 4.57): the rope dict under ``rope_scaling``
+    with ``rope_theta`` beside it, ``vision_seq_pad_multiple`` (1, as in the released realtime config), the
+    version it was saved with, and an ``auto_map`` naming the config and model classes only."""
+    data = {k: v for k, v in config.to_dict().items() if k not in TRANSFORMERS5_ONLY_KEYS}
+    for key in ("text_config", "vision_config"):
+        dropped = TRANSFORMERS5_ONLY_KEYS | {"architectures", "dtype"}
+        data[key] = {k: v for k, v in data[key].items() if k not in dropped}
+    rope = dict(data["text_config"].pop("rope_parameters"))
+    data["text_config"]["rope_theta"] = rope.pop("rope_theta")
+    data["text_config"]["rope_scaling"] = rope
+    data.update(
+        dtype="bfloat16",
+        transformers_version=REAL_LAYOUT_TRANSFORMERS_VERSION,
+        vision_seq_pad_multiple=1,
+        auto_map={
+            "AutoConfig": "configuration_moss_vl.MossVLConfig",
+            "AutoModel": "modeling_moss_vl.MossVLForConditionalGeneration",
+            "AutoModelForCausalLM": "modeling_moss_vl.MossVLForConditionalGeneration",
+        },
+    )
+    return data
+
+
+def real_layout_processor_configs(processor: dict) -> dict[str, dict]:
+    """preprocessor_config.json and video_preprocessor_config.json with the published keys; the pixel budgets are
+    the preset's (``size`` is per image / per frame, ``multi_image_max_pixels`` and ``video_max_pixels`` are shared
+    among the images / videos of one request)."""
+    normalise = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    patches = {"patch_size": 16, "temporal_patch_size": 1, "merge_size": 2}
+    image = {
+        "auto_map": {
+            "AutoProcessor": "processing_moss_vl.MossVLProcessor",
+            "AutoImageProcessor": "processing_moss_vl.MossVLImageProcessorFast",
+        },
+        "size": {"longest_edge": processor["max_pixels"], "shortest_edge": 4096},
+        "multi_image_max_pixels": 2 * processor["max_pixels"],
+        **patches,
+        **normalise,
+        "processor_class": "MossVLProcessor",
+        "image_processor_type": "MossVLImageProcessorFast",
+        "interpolation": "BICUBIC",
+    }
+    video = {
+        # Inferred: AutoVideoProcessor must find the remote class through this file's auto_map.
+        "auto_map": {
+            "AutoProcessor": "processing_moss_vl.MossVLProcessor",
+            "AutoVideoProcessor": "video_processing_moss_vl.MossVLVideoProcessor",
+        },
+        "size": {"longest_edge": processor["video_max_pixels"], "shortest_edge": 4096},
+        "video_max_pixels": 8 * processor["video_max_pixels"],
+        "video_fps": 1.0,
+        "min_frames": 1,
+        "max_frames": 256,
+        "num_extract_threads": 4,
+        **patches,
+        **normalise,
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "do_sample_frames": True,
+        "resample": 3,
+        "processor_class": "MossVLProcessor",
+        "video_processor_type": "MossVLVideoProcessor",
+    }
+    return {"preprocessor_config.json": image, "video_preprocessor_config.json": video}
+
+
+def write_real_layout(directory: Path, preset: dict, config: MossVLConfig, tokenizer, seed: int) -> None:
+    """The published checkpoints' file layout (see the module docstring)."""
+    (directory / "config.json").write_text(json.dumps(real_layout_config(config), indent=2) + "\n")
+    weights = {
+        name: tensor.to(torch.bfloat16) for name, tensor in seeded_weights(preset, config, tokenizer, seed).items()
+    }
+    shard = "model-00001-of-00001.safetensors"
+    save_file(weights, str(directory / shard), metadata={"format": "pt"})
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+        "weight_map": {name: shard for name in sorted(weights)},
+    }
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    for name, data in real_layout_processor_configs(preset["processor"]).items():
+        (directory / name).write_text(json.dumps(data, indent=2) + "\n")
+    tokenizer.save_pretrained(directory)
+    for name in REAL_LAYOUT_FILES:
+        shutil.copyfile(REAL_LAYOUT_DIR / name, directory / name)
+    write_generation_config(directory, config)
 
 
 def build_or_reuse(preset_name: str = "tiny", out: Path | None = None, seed: int = 0) -> Path:

@@ -32,6 +32,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "encoder_cache_key",
     "request_validation",
     "text_only_requests",
+    "checkpoint_processor",
     "chunked_prefill",
     "media_retention",
     "text_row_gate",
