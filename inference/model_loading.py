@@ -2,6 +2,12 @@
 
 ``inference/run_inference.py`` and ``realtime_inference/run_online_inference.py`` load MOSS-VL through
 :func:`load_model`; device detection itself is ``device_utils``.
+
+Whose code loads a MOSS-VL checkpoint is decided by ``mossvl_ascend.checkpoint_code`` (shared with the sglang
+plugin): the checkpoint's own remote code when it imports under this transformers, else this project's processor
+(``mossvl_ascend.processor``) and reference model class (``moss_vl_reference.modeling_moss_vl``), which loads the
+checkpoint's weights under their own names. ``--remote-code`` / ``$MOSSVL_REMOTE_CODE`` force either; one log line
+says which was chosen and why.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoProcessor
 
 import device_utils  # looked up as a module attribute at call time so tests can simulate devices
+from mossvl_ascend import checkpoint_code
 
 logger = logging.getLogger("model_loading")
 
@@ -61,14 +68,43 @@ def choose_dtype(requested: str | None, device: str) -> str:
     return requested or ("float32" if device == "cpu" else "bfloat16")
 
 
+def code_choice(checkpoint: Path | str, remote_code: str | None) -> checkpoint_code.CodeChoice | None:
+    """Whose code loads a MOSS-VL ``checkpoint`` (None for any other checkpoint: its remote code, as always)."""
+    if not checkpoint_code.is_moss_vl_checkpoint(checkpoint):
+        return None
+    choice = checkpoint_code.choose_code(checkpoint, remote_code)
+    logger.info("%s", choice.describe())
+    return choice
+
+
+def load_ours(checkpoint: Path | str, model_kwargs: dict) -> tuple[Any, Any]:
+    """(model, processor) of this project's code for a MOSS-VL checkpoint: the reference model class with the
+    checkpoint's config.json read by the reference config class (4.57 and 5.x forms alike), and our processor from
+    the checkpoint's own processor files."""
+    from moss_vl_reference.configuration_moss_vl import MossVLConfig
+    from moss_vl_reference.modeling_moss_vl import MossVLForConditionalGeneration
+    from mossvl_ascend.processor import MossVLProcessor
+
+    kwargs = {key: value for key, value in model_kwargs.items() if key != "trust_remote_code"}
+    config = MossVLConfig.from_pretrained(checkpoint)
+    model = MossVLForConditionalGeneration.from_pretrained(checkpoint, config=config, **kwargs)
+    return model, MossVLProcessor.from_checkpoint(checkpoint)
+
+
 def load_model(
     checkpoint: Path | str,
     device: str = "auto",
     dtype: str | None = None,
     attention_backend: str = "auto",
     cross_attention_implementation: str | None = None,
+    remote_code: str | None = None,
 ) -> tuple[Any, Any, dict]:
-    """(model in eval mode, processor, run metadata) for a local checkpoint with its remote code."""
+    """(model in eval mode, processor, run metadata) for a local checkpoint.
+
+    ``remote_code`` (``auto``/``checkpoint``/``ours``, default ``$MOSSVL_REMOTE_CODE`` else auto) picks whose code
+    loads a MOSS-VL checkpoint (module docstring); forcing a checkpoint's own code that cannot import raises
+    :class:`mossvl_ascend.checkpoint_code.CheckpointCodeUnloadable`."""
+    choice = code_choice(checkpoint, remote_code)
     device_type, target = choose_device(device)
     attn_implementation, why = choose_attention(attention_backend, device_type)
     dtype = choose_dtype(dtype, device_type)
@@ -78,8 +114,12 @@ def load_model(
     if cross_attention_implementation is not None:
         model_kwargs["cross_attention_implementation"] = cross_attention_implementation
     logger.info("loading %s on %s as %s", checkpoint, target, dtype)
-    processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, **model_kwargs).to(target).eval()
+    if choice is not None and choice.use_ours:
+        model, processor = load_ours(checkpoint, model_kwargs)
+    else:
+        processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, **model_kwargs)
+    model = model.to(target).eval()
     metadata = {
         "checkpoint": str(checkpoint),
         "device": target,
@@ -88,5 +128,7 @@ def load_model(
         "attention_implementation": attn_implementation,
         "attention_implementation_reason": why,
         "cross_attention_implementation": cross_attention_implementation,
+        "code": "remote" if choice is None else choice.code,
+        "code_reason": "not a MOSS-VL checkpoint" if choice is None else choice.reason,
     }
     return model, processor, metadata

@@ -47,6 +47,7 @@ from moss_vl_reference.queries_moss_vl import (  # noqa: E402
     normalize_query,
     resolve_query_media_paths,
 )
+from mossvl_ascend import checkpoint_code  # noqa: E402
 
 logger = logging.getLogger("run_inference")
 
@@ -207,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
         "flash_attention_3 for a checkpoint whose remote code ships an FA3 cross-attention kernel",
     )
     parser.add_argument(
+        "--remote-code",
+        choices=checkpoint_code.CHOICES,
+        default=None,
+        help=f"whose code loads a MOSS-VL checkpoint: auto (its own remote code when it imports under this "
+        f"transformers, else this project's), checkpoint, or ours (default: ${checkpoint_code.ENV_VAR}, else auto)",
+    )
+    parser.add_argument(
         "--timeout-seconds", type=float, default=300.0, help="deadline of each query in seconds (default 300)"
     )
     parser.add_argument(
@@ -227,9 +235,18 @@ def main(argv: list[str] | None = None) -> int:
     output_path = args.output or input_path.with_name(f"{input_path.stem}_results.json")
     raw_queries = load_queries(input_path)
     started = time.perf_counter()
-    model, processor, metadata = load_model(
-        args.checkpoint, args.device, args.dtype, args.attention_backend, args.cross_attention_implementation
-    )
+    try:
+        model, processor, metadata = load_model(
+            args.checkpoint,
+            args.device,
+            args.dtype,
+            args.attention_backend,
+            args.cross_attention_implementation,
+            args.remote_code,
+        )
+    except (checkpoint_code.CheckpointCodeUnloadable, ValueError) as error:  # a clear message, not a traceback
+        logger.error("%s", error)
+        return 2
     load_seconds = time.perf_counter() - started
     results = run_queries(model, processor, raw_queries, input_path.parent, args.timeout_seconds)
     failed = sum("error" in r for r in results)

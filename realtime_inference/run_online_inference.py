@@ -67,6 +67,7 @@ from PIL import Image, UnidentifiedImageError  # noqa: E402
 
 import device_utils  # noqa: E402
 from moss_vl_reference.queries_moss_vl import ERROR_PREFIX, ROUND_START, SILENCE  # noqa: E402
+from mossvl_ascend import checkpoint_code  # noqa: E402
 from realtime_inference import video_sources  # noqa: E402
 from realtime_inference.video_sources import FrameEvent, PromptEvent  # noqa: E402
 
@@ -162,7 +163,13 @@ def load_realtime_model(args: argparse.Namespace) -> tuple[Any, Any, dict]:
     """The runners' shared loader, plus a check that the checkpoint has the realtime API."""
     from inference.model_loading import load_model  # torch/transformers: only when a model is needed
 
-    model, processor, metadata = load_model(args.checkpoint, args.device_map, args.dtype, args.attention_backend)
+    model, processor, metadata = load_model(
+        args.checkpoint,
+        args.device_map,
+        args.dtype,
+        args.attention_backend,
+        remote_code=getattr(args, "remote_code", None),
+    )
     if not callable(getattr(model, "create_realtime_session", None)):
         raise RuntimeError(
             f"{args.checkpoint} has no realtime API (create_realtime_session); use a MOSS-VL realtime checkpoint"
@@ -208,6 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="transformers attn_implementation (default auto: eager on NPU, flash_attention_2 on CUDA when flash_attn "
         "is installed else sdpa, sdpa on CPU)",
+    )
+
+    model.add_argument(
+        "--remote-code",
+        choices=checkpoint_code.CHOICES,
+        default=None,
+        help="whose code loads a MOSS-VL checkpoint: auto (its own remote code when it imports under this "
+        "transformers, else this project's: the reference model and its realtime session), checkpoint, or ours "
+        f"(default: ${checkpoint_code.ENV_VAR}, else auto)",
     )
 
     source = parser.add_argument_group("source (CLI mode)")
@@ -700,7 +716,8 @@ class RealtimeConnection:
             }
         )
         generate["max_new_tokens"] = _number(payload, "max_new_tokens", d.max_new_tokens, int, 1)
-        window = payload.get("frame_window_seconds", d.frame_window_seconds)
+        # getattr: upstream's service builds its defaults without this newer attribute
+        window = payload.get("frame_window_seconds", getattr(d, "frame_window_seconds", None))
         if window is not None:
             generate["frame_window_seconds"] = _number(payload, "frame_window_seconds", window, float, 1e-6)
         self.session = self.model.create_realtime_session(
@@ -893,11 +910,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    if args.serve:
-        return serve(args)
     try:
-        return stream_source(args)
-    except (video_sources.SourceUnavailable, FileNotFoundError, ValueError) as error:
+        return serve(args) if args.serve else stream_source(args)
+    except (
+        checkpoint_code.CheckpointCodeUnloadable,
+        video_sources.SourceUnavailable,
+        FileNotFoundError,
+        ValueError,
+    ) as error:
         logger.error("%s", error)
         return 2
 
