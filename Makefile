@@ -12,7 +12,7 @@ DEVICE ?= cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint test catalog demo demo-realtime serve tiny-model bench bench-serving bench-realtime bench-realtime-engine clean
+.PHONY: help setup lint test test-fast catalog demo demo-realtime serve tiny-model bench bench-serving bench-realtime bench-realtime-engine clean
 
 help: ## list the targets with what each does
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -34,6 +34,9 @@ tiny-model: setup ## build (or reuse) the tiny random-weight MOSS-VL checkpoint;
 
 test: setup lint ## lint, then run the whole CPU test suite (PYTEST_ARGS= adds pytest options, e.g. --random-order)
 	$(CPU_ENV) $(PY) -m pytest tests -q $(PYTEST_ARGS)
+
+test-fast: setup ## the tests that start no server (-m "not served": no sglang server, engine or runner --serve), no lint
+	$(CPU_ENV) $(PY) -m pytest tests -q -m "not served" $(PYTEST_ARGS)
 
 lint: setup ## ruff lint and format check over the whole tree (configuration: pyproject.toml)
 	$(VENV)/bin/ruff check .
