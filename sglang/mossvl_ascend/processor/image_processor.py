@@ -133,11 +133,15 @@ class MossVLImageProcessor(BaseImageProcessor):
         ``video_preprocessor_config.json`` (real key names; unknown keys ignored)."""
         checkpoint = Path(checkpoint)
         image = json.loads((checkpoint / "preprocessor_config.json").read_text())
-        settings = {key: image[key] for key in REAL_IMAGE_KEYS + REAL_NORMALISATION_KEYS if key in image}
         video_file = checkpoint / "video_preprocessor_config.json"
-        if video_file.is_file():
-            video = json.loads(video_file.read_text())
-            settings.update({ours: video[real] for real, ours in REAL_VIDEO_KEYS.items() if real in video})
+        video = json.loads(video_file.read_text()) if video_file.is_file() else {}
+        return cls.from_real_config_dicts(image, video, **overrides)
+
+    @classmethod
+    def from_real_config_dicts(cls, image: dict, video: Optional[dict] = None, **overrides: Any):
+        """Built from the contents of those two files (``video`` None or empty: the video class defaults)."""
+        settings = {key: image[key] for key in REAL_IMAGE_KEYS + REAL_NORMALISATION_KEYS if key in image}
+        settings.update({ours: (video or {})[real] for real, ours in REAL_VIDEO_KEYS.items() if real in (video or {})})
         return cls(**{**settings, **overrides})
 
     # ---- settings
