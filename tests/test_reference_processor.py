@@ -1,7 +1,8 @@
-"""The reference MOSS-VL processor: resizing, patchification, video sampling, placeholders, errors.
+"""Our MOSS-VL processor (``mossvl_ascend.processor``, the tiny checkpoints' remote code): resizing, patchification,
+video sampling and budgets, placeholders, text only, batches, errors.
 
-Oracles: explicit per-pixel loops for patch values, frame timestamps read back with PyAV, and
-the encoder-length formula sum(t*h*w/merge^2 + t)."""
+Oracles: explicit per-pixel loops for patch values, frame times read back with PyAV, the real processor's rules worked
+by hand (``tests/test_processor_real_table.py`` cites them), and the encoder-length formula sum(t*h*w/merge^2 + t)."""
 
 import re
 from pathlib import Path
@@ -13,11 +14,35 @@ import torch
 from PIL import Image
 
 ASSETS = Path(__file__).parent / "assets"
-VIDEO = ASSETS / "moving_square_3s.mp4"
+VIDEO = ASSETS / "moving_square_3s.mp4"  # 12 frames of 64 x 48 at 4 fps: frame i shown from i/4 s, 3.0 s in all
 
 
 def frame_token_count(processor, inputs) -> int:
     return int((inputs["input_ids"] == processor.image_pad_token_id).sum())
+
+
+def stamps_of(processor, inputs) -> list[str]:
+    return re.findall(r"<\|time_start\|>([0-9.]+) seconds<\|time_end\|><\|image_pad\|>", processor.decode(inputs[0]))
+
+
+@pytest.fixture(scope="module")
+def video_processor(processor):
+    """The checkpoint's tokenizer with explicit video settings (the presets' video budgets are theirs to change)."""
+    from mossvl_ascend.processor import MossVLImageProcessor, MossVLProcessor
+
+    # frames of at most 64 x 64, at least 32 x 32; all videos of a call share 256 such frames' pixels
+    media = MossVLImageProcessor(
+        video_size={"shortest_edge": 1024, "longest_edge": 64 * 64}, video_max_pixels=256 * 4096
+    )
+    return MossVLProcessor(image_processor=media, tokenizer=processor.tokenizer)
+
+
+def test_the_checkpoint_loads_the_plugin_processor_through_its_remote_code_entry(processor):
+    """processing_moss_vl.py is the auto_map entry and only names the plugin's classes: no second implementation."""
+    from mossvl_ascend.processor import MossVLImageProcessor, MossVLProcessor
+
+    assert type(processor) is MossVLProcessor
+    assert type(processor.image_processor) is MossVLImageProcessor
 
 
 def test_patches_equal_an_explicit_pixel_loop(processor):
@@ -39,6 +64,12 @@ def test_patches_equal_an_explicit_pixel_loop(processor):
     torch.testing.assert_close(inputs["pixel_values"], torch.tensor(expected), rtol=0, atol=1e-6)
 
 
+def test_transparency_becomes_white_as_transformers_converts_to_rgb(processor):
+    clear = Image.new("RGBA", (64, 64), (0, 0, 0, 0))
+    inputs = processor(text="<|image|>", images=[clear])
+    assert inputs["pixel_values"].eq(1.0).all()  # (255/255 - 0.5) / 0.5
+
+
 def test_tiny_image_is_resized_up_and_sizes_stay_in_budget(processor):
     tiny = processor(text="<|image|>", images=[str(ASSETS / "tiny_8x8.png")])
     assert tiny["grid_thw"].tolist() == [[1, 4, 4]]  # 8x8 -> 64x64 = min_pixels 4096
@@ -46,6 +77,17 @@ def test_tiny_image_is_resized_up_and_sizes_stay_in_budget(processor):
     capped = processor(text="<|image|>", images=[Image.new("RGB", (640, 200))], media_kwargs={"max_pixels": 64 * 96})
     _, h, w = capped["grid_thw"][0].tolist()
     assert (h * 16) * (w * 16) <= 64 * 96 and h % 2 == 0 and w % 2 == 0 and w > h
+
+
+def test_images_of_one_call_share_the_multi_image_budget(processor):
+    """16384 pixels shared by a 128x128 and a 256x128 image: 5461 and 10922 -> 64x64 and 64x128; alone, the first
+    keeps 128x128 (its share is the whole budget)."""
+    images = [Image.new("RGB", (128, 128)), Image.new("RGB", (256, 128))]
+    settings = {"multi_image_max_pixels": 16384}
+    shared = processor(text="<|image|><|image|>", images=images, media_kwargs=settings)
+    assert shared["grid_thw"].tolist() == [[1, 4, 4], [1, 4, 8]]
+    alone = processor(text="<|image|>", images=images[:1], media_kwargs=settings)
+    assert alone["grid_thw"].tolist() == [[1, 8, 8]]
 
 
 def test_input_larger_than_the_configured_limit_is_refused_not_resized(processor):
@@ -58,61 +100,86 @@ def test_input_larger_than_the_configured_limit_is_refused_not_resized(processor
     assert (h * 16) * (w * 16) <= processor.image_processor.max_pixels  # accepted, then downscaled to the budget
 
 
-def test_video_file_sampled_at_fps_with_one_timestamp_marker_per_frame(processor):
+def test_video_keeps_ceil_duration_times_fps_frames_at_integer_linspace(video_processor):
+    """3.0 s, 12 frames: 1 fps keeps 3 frames at linspace(0, 11, 3) = 0, 5.5, 11 -> 0, 5, 11, stamped i / 4 fps;
+    2 fps keeps 6 at 0, 2.2, 4.4, 6.6, 8.8, 11 -> 0, 2, 4, 6, 8, 11."""
     with av.open(str(VIDEO)) as container:
         times = [float(frame.time) for frame in container.decode(video=0)]
     assert len(times) == 12 and times[-1] == pytest.approx(2.75)
-    for fps, expected_stamps in ((1.0, [0.0, 1.0, 2.0]), (2.0, [0.0, 0.5, 1.0, 1.5, 2.0, 2.5])):
-        inputs = processor(text="<|video|>", videos=[str(VIDEO)], media_kwargs={"video_fps": fps})
-        text = processor.decode(inputs["input_ids"][0])
-        stamps = [float(s) for s in re.findall(r"<\|time_start\|>([0-9.]+) seconds<\|time_end\|><\|image_pad\|>", text)]
-        assert stamps == expected_stamps
-        assert inputs["grid_thw"].tolist() == [[len(expected_stamps), 4, 4]]  # 64x48 -> 64x64
-        assert frame_token_count(processor, inputs) == len(expected_stamps)
+    for fps, indices in ((1.0, [0, 5, 11]), (2.0, [0, 2, 4, 6, 8, 11])):
+        inputs = video_processor(text="<|video|>", videos=[str(VIDEO)], media_kwargs={"video_fps": fps})
+        assert stamps_of(video_processor, inputs["input_ids"]) == [f"{times[i]:.1f}" for i in indices]
+        assert inputs["grid_thw"].tolist() == [[len(indices), 4, 4]]  # 48x64 -> 64x64 (rounded to 32)
+        assert frame_token_count(video_processor, inputs) == len(indices)
+        text = video_processor.decode(inputs["input_ids"][0])
         assert text.startswith("<|vision_start|>") and text.endswith("<|vision_end|>")
-    thinned = processor(
-        text="<|video|>", videos=[{"video_path": str(VIDEO)}], media_kwargs={"video_fps": 4.0, "max_frames": 2}
-    )
-    assert thinned["grid_thw"][0, 0] == 2
-    # 0.25 fps gives one target in a 3 s clip; min_frames 3 spreads frames 0, 6, 11 (of 12) instead
-    padded = processor(text="<|video|>", videos=[str(VIDEO)], media_kwargs={"video_fps": 0.25, "min_frames": 3})
-    stamps = re.findall(r"<\|time_start\|>([0-9.]+) seconds", processor.decode(padded["input_ids"][0]))
-    assert padded["grid_thw"][0, 0] == 3 and [float(s) for s in stamps] == [
-        0.0,
-        1.5,
-        2.8,
-    ]  # 2.75 s printed with one decimal
 
 
-def test_frame_list_video_and_interleaved_media(processor):
-    frames = [Image.new("RGB", (64, 64), (i * 40, 0, 0)) for i in range(3)]
+def test_video_frame_limits_and_segments(video_processor):
+    capped = video_processor(text="<|video|>", videos=[{"video_path": str(VIDEO)}], media_kwargs={"max_frames": 2})
+    assert stamps_of(video_processor, capped["input_ids"]) == ["0.0", "2.8"]  # linspace(0, 11, 2); 2.75 printed
+    raised = video_processor(text="<|video|>", videos=[str(VIDEO)], media_kwargs={"video_fps": 0.25, "min_frames": 3})
+    assert stamps_of(video_processor, raised["input_ids"]) == ["0.0", "1.2", "2.8"]  # ceil(0.75) = 1 -> 3
+    # a segments dict is one video per segment: [0.5, 2.5) at 1 fps -> 0.5, 1.5; [2.0] -> the frame shown at 2.0
+    segments = {"video_path": str(VIDEO), "segments": [[0.5, 2.5], [2.0]]}
+    split = video_processor(text="<|video|>x<|video|>", videos=[segments])
+    assert split["grid_thw"][:, 0].tolist() == [2, 1]
+    assert stamps_of(video_processor, split["input_ids"]) == ["0.5", "1.5", "2.0"]
+
+
+def test_videos_of_one_call_share_max_frames_and_the_pixel_budget(video_processor):
+    """max_frames 3 over two 3 s clips: one each, the spare one to the first (equal remainders, lower index first).
+    video_max_pixels 16384 over two 3-frame clips of 48x64: 8192 each, under their 3 x 64 x 64 -> 32x32 frames;
+    one clip alone keeps 64x64 (12288 <= 16384)."""
+    two = video_processor(text="<|video|><|video|>", videos=[str(VIDEO)] * 2, media_kwargs={"max_frames": 3})
+    assert two["grid_thw"][:, 0].tolist() == [2, 1]
+    budget = {"video_max_pixels": 16384}
+    shared = video_processor(text="<|video|><|video|>", videos=[str(VIDEO)] * 2, media_kwargs=budget)
+    assert shared["grid_thw"].tolist() == [[3, 2, 2], [3, 2, 2]]
+    alone = video_processor(text="<|video|>", videos=[str(VIDEO)], media_kwargs=budget)
+    assert alone["grid_thw"].tolist() == [[3, 4, 4]]
+
+
+def test_interleaved_media_keep_text_order(video_processor):
     text = "<|im_start|>user\nA<|image|>B<|video|>C<|image|>D<|im_end|>\n"
-    inputs = processor(
+    inputs = video_processor(
         text=text,
         images=[str(ASSETS / "square_64.png"), str(ASSETS / "gradient_96x64.png")],
-        videos=[{"frames": frames, "timestamps": [0.5, 1.5, 2.5]}],
+        videos=[str(VIDEO)],
     )
     assert inputs["grid_thw"].tolist() == [[1, 4, 4], [3, 4, 4], [1, 4, 6]]
     assert inputs["media_nums_per_sample"] == [3]
-    assert "0.5 seconds" in processor.decode(inputs["input_ids"][0])
+    decoded = video_processor.decode(inputs["input_ids"][0])
+    assert decoded.startswith("<|im_start|>user\nA<|image_pad|>B<|vision_start|>")
+    assert decoded.endswith("<|vision_end|>C<|image_pad|>D<|im_end|>\n")
     encoder_len = sum(t * h * w // 4 + t for t, h, w in inputs["grid_thw"].tolist())
     assert encoder_len == (4 + 1) + 3 * (4 + 1) + (6 + 1)
     counts = (~inputs["cross_attention_mask"][0, 0]).sum(-1)
-    first_pad = int((inputs["input_ids"][0] == processor.image_pad_token_id).nonzero()[0])
+    first_pad = int((inputs["input_ids"][0] == video_processor.image_pad_token_id).nonzero()[0])
     assert counts[:first_pad].eq(0).all() and counts[first_pad] == 1
     assert (counts[1:] >= counts[:-1]).all() and counts[-1] == 5
     assert inputs["cross_attention_mask"].dtype == torch.bool and inputs["cross_attention_mask"].shape[-1] == 5
 
 
+def test_text_only_carries_one_blank_frame_no_token_sees(processor):
+    inputs = processor(text="<|im_start|>user\nhello<|im_end|>\n")
+    assert inputs["grid_thw"].tolist() == [[1, 8, 8]] and inputs["media_nums_per_sample"] == [1]
+    assert inputs["pixel_values"].shape == (64, 768) and not inputs["pixel_values"].any()
+    assert frame_token_count(processor, inputs) == 0
+    assert inputs["cross_attention_mask"].shape[-1] == 1 and inputs["cross_attention_mask"].all()
+
+
 def test_batch_is_left_padded_and_visibility_counts_only_own_frames(processor):
     inputs = processor(
-        text=["<|image|>short", "a much longer prompt here <|image|><|image|>"],
+        text=["<|image|>short", "a much longer prompt here <|image|><|image|>", "no media at all"],
         images=[str(ASSETS / "square_64.png")] * 3,
     )
-    assert inputs["media_nums_per_sample"] == [1, 2]
+    assert inputs["media_nums_per_sample"] == [1, 2, 1]
+    assert inputs["grid_thw"].tolist() == [[1, 4, 4]] * 3 + [[1, 8, 8]]  # the blank frame in its sample's place
     assert inputs["attention_mask"][0, 0] == 0 and inputs["attention_mask"][:, -1].eq(1).all()
     counts = (~inputs["cross_attention_mask"][:, 0]).sum(-1)
-    assert counts[0, -1] == 1 and counts[1, -1] == 2 and counts[0, 0] == 0
+    assert counts[0, -1] == 1 and counts[1, -1] == 2 and counts[0, 0] == 0 and counts[2].eq(0).all()
+    assert inputs["cross_attention_mask"][:, 0][inputs["attention_mask"] == 0].all()  # padding sees nothing
 
 
 @pytest.mark.parametrize(
@@ -122,8 +189,9 @@ def test_batch_is_left_padded_and_visibility_counts_only_own_frames(processor):
         (dict(text="<|video|>", videos=["/nonexistent/clip.mp4"]), FileNotFoundError, "clip.mp4"),
         (dict(text="<|image|><|image|>", images=[str(ASSETS / "square_64.png")]), ValueError, "<|image|>"),
         (dict(text="no placeholder", images=[str(ASSETS / "square_64.png")]), ValueError, "1 image(s)"),
-        (dict(text="<|video|>", videos=[{"frames": []}]), ValueError, "zero sampled frames"),
+        (dict(text="<|video|>", videos=[{"frames": []}]), ValueError, "video_path"),
         (dict(text="<|video|>"), ValueError, "<|video|>"),
+        (dict(text="  "), ValueError, "non-empty text"),
     ],
 )
 def test_bad_input_names_the_culprit(processor, kwargs, error, culprit):

@@ -36,6 +36,13 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
 
 
+def loaded_rgb(opened: Image.Image) -> Image.Image:
+    """RGB pixels read while the file is still open (an RGB image is returned as it is, lazily loaded)."""
+    rgb = to_rgb(opened)
+    rgb.load()
+    return rgb
+
+
 def load_image(image: Any) -> Image.Image:
     """An RGB PIL image from a PIL image, encoded bytes, a local path (``file://`` allowed) or ``{"image": ...}``."""
     if isinstance(image, Image.Image):
@@ -43,7 +50,7 @@ def load_image(image: Any) -> Image.Image:
     if isinstance(image, (bytes, bytearray)):
         try:
             with Image.open(io.BytesIO(image)) as opened:
-                return to_rgb(opened)
+                return loaded_rgb(opened)
         except (UnidentifiedImageError, OSError) as error:
             raise ValueError(f"cannot decode image bytes ({len(image)} bytes): {error}") from error
     if isinstance(image, dict):
@@ -57,7 +64,7 @@ def load_image(image: Any) -> Image.Image:
         raise FileNotFoundError(f"image file not found: {path}")
     try:
         with Image.open(path) as opened:
-            return to_rgb(opened)
+            return loaded_rgb(opened)
     except (UnidentifiedImageError, OSError) as error:
         raise ValueError(f"cannot decode image {path}: {error}") from error
 
