@@ -154,3 +154,47 @@ def test_a_prompt_longer_than_the_context_is_refused_and_the_session_goes_on(pro
     error, pending = asyncio.run(run())
     assert error.code == "invalid_request" and "(64)" in error.message and "tokens" in error.message
     assert pending == 1
+
+
+def test_a_prompt_while_parked_announces_its_turn(processor):
+    """The real server announces every prompt (sglang-omni-realtime `request_builders.py`, the stream output
+    builder: `response.turn.interrupted{turn_id, next_turn_id, seq_no}` then the input's `.processed` with
+    `interrupted_turn_id`/`turn_id`), whether the model was speaking or silent; a prompt carried by a frame is
+    that frame's event. The answer's text is in the announced turn."""
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+    from mossvl_ascend.realtime.session_api import Frame, SessionConfig
+
+    tokenizer = processor.tokenizer
+    silence = tokenizer.convert_tokens_to_ids("<|silence|>")
+    word = tokenizer("yes", add_special_tokens=False)["input_ids"]
+
+    async def run():
+        manager = StreamingManager(processor, [[silence], word + [silence], word + [silence]])
+        session = await ServedRealtimeEngine(lambda: manager).open(SessionConfig(max_new_tokens=LIMIT))
+        outputs = []
+
+        async def until_parked():
+            while True:
+                output = await asyncio.wait_for(session.outputs.get(), 30)
+                outputs.append(output)
+                if output.kind == "silence":
+                    return
+
+        await until_parked()
+        session.push_prompt("Anything?", seq_no=0)
+        await until_parked()
+        session.push_frame(Frame(noise_image(1), 0.0, seq_no=1), prompt="And now?")
+        await until_parked()
+        await session.close()
+        return outputs
+
+    outputs = asyncio.run(run())
+    seen = [(o.kind, o.seq_no, o.turn_id, o.next_turn_id) for o in outputs if o.kind in ("interrupted", "processed")]
+    assert seen == [
+        ("interrupted", 0, 0, 1),
+        ("processed", 0, 0, 1),
+        ("interrupted", 1, 1, 2),
+        ("processed", 1, 1, 2),
+    ]
+    texts = [o.turn_id for o in outputs if o.kind == "text"]
+    assert texts == sorted(texts) and set(texts) == {1, 2}

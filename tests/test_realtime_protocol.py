@@ -305,13 +305,11 @@ def test_silence_before_any_input_has_null_seq_no(client, engine):
 def test_usage_only_when_asked(client, engine):
     with client.websocket_connect(URL) as ws:
         configure(ws, include_usage=True)
-        engine.sessions[0].emit(api.SILENCE, turn_id=0, usage={"decoder_tokens": 7, "context_remaining": 99})
-        assert ws.receive_json()["type"] == "response.turn.silence"
+        engine.sessions[0].emit(api.USAGE, usage={"decoder_tokens": 7, "context_remaining": 99})
         assert ws.receive_json() == {"type": "session.usage", "decoder_tokens": 7, "context_remaining": 99}
     with client.websocket_connect(URL) as ws:
         configure(ws)
-        engine.sessions[1].emit(api.SILENCE, turn_id=0, usage={"decoder_tokens": 7})
-        assert ws.receive_json()["type"] == "response.turn.silence"
+        engine.sessions[1].emit(api.USAGE, usage={"decoder_tokens": 7})
         probe_nothing_pending(ws)
 
 

@@ -11,17 +11,23 @@ With a frame window (`MOSSVL_REALTIME_FRAME_WINDOW_S`) the oracle is the referen
 """
 
 import asyncio
+import io
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 import requests
+import websockets
+from PIL import Image
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
+from mossvl_ascend.patches.realtime_api import BENCHMARK_MODE_ENV
 from mossvl_ascend.realtime.engine import FRAME_WINDOW_ENV
 from serving.launch import SglangServer
-from serving.realtime_client import RealtimeClient
+from serving.realtime_client import GATEWAY_PATH, VIDEO_REALTIME_PATH, RealtimeClient, realtime_url
+from support.demo_like_client import demo_view, first_event_verdict
 from support.realtime import (
     SCRIPTS,
     TURN_LIMIT,
@@ -395,3 +401,278 @@ def test_a_long_stream_holds_only_its_window(checkpoint, long_reference, page, m
     assert LONG_STREAM_FRAMES * long_reference["frame_tokens"] > encoder_rows + 2 * page
     assert result["used"] <= encoder_rows + -(-(text_rows + 1) // page) * page, result["used"]
     assert all(load["num_used_tokens"] == 0 for load in idle), idle
+
+
+# ---- The socket as the real clients expect it (issue 34), on one server: page 128, two sessions, an API key,
+# benchmark mode on. Each check below failed on the socket before its fix.
+
+API_KEY = "sk-realtime-served"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+KEYED_ARGS = ["--dtype", "float32", "--max-total-tokens", "6000", "--context-length", "4096", "--page-size", "128"]
+
+
+@pytest.fixture(scope="module")
+def keyed_server(checkpoint):
+    extra = [*KEYED_ARGS, "--max-running-requests", "2", "--api-key", API_KEY]
+    env = {BENCHMARK_MODE_ENV: "1"}
+    with SglangServer(checkpoint, extra_args=extra, name="realtime-keyed", env=env) as server:
+        yield server
+
+
+def keyed_loads(server) -> list[dict]:
+    return requests.get(f"{server.base_url}/v1/loads", headers=AUTH, timeout=30).json()["loads"]
+
+
+def keyed_idle(server, timeout_s: float = 60.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = keyed_loads(server)
+        if all(load["num_used_tokens"] == 0 for load in loads) or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.2)
+
+
+def keyed_client(server, path=VIDEO_REALTIME_PATH, **handshake) -> RealtimeClient:
+    return RealtimeClient(realtime_url(server.base_url, path), **{"headers": AUTH, **handshake})
+
+
+async def refused_handshakes(server) -> list:
+    statuses = []
+    for handshake in ({"headers": None}, {"headers": {"Authorization": "Bearer wrong"}}):
+        client = keyed_client(server, **handshake)
+        try:
+            await client.connect()
+            statuses.append("opened")
+        except websockets.InvalidStatus as refusal:
+            statuses.append(refusal.response.status_code)
+        await client.close()
+    return statuses
+
+
+async def keyed_sessions(server) -> list[str]:
+    """The right key as a header on smg's path (with its `model` query parameter), and as a browser sends it."""
+    opened = []
+    for client in (
+        RealtimeClient(realtime_url(server.base_url, GATEWAY_PATH, model="moss-vl-realtime"), headers=AUTH),
+        keyed_client(server, headers=None, subprotocols=["realtime", f"openai-insecure-api-key.{API_KEY}"]),
+    ):
+        await client.open(max_new_tokens=TURN_LIMIT)
+        opened.append(client.events[0].event["type"])
+        await client.close()
+    return opened
+
+
+def test_the_api_key_guards_the_socket(keyed_server):
+    """No key or a wrong one: refused at the handshake (401), no session, nothing held; the right key (a header on
+    `/v1/realtime?model=`, or the browser's subprotocol) opens a session."""
+    assert asyncio.run(refused_handshakes(keyed_server)) == [401, 401]
+    assert all(load["num_used_tokens"] == 0 for load in keyed_loads(keyed_server))
+    assert "realtime session" not in keyed_server.log_path.read_text()
+    assert asyncio.run(keyed_sessions(keyed_server)) == ["session.created", "session.created"]
+    assert all(load["num_used_tokens"] == 0 for load in keyed_idle(keyed_server))
+
+
+async def a_third_client(server) -> dict:
+    holders = [keyed_client(server) for _ in range(2)]
+    for holder in holders:
+        await holder.connect()  # not configured yet: a connection holds its place from the handshake
+    third = keyed_client(server)
+    first = await third.connect()
+    await asyncio.wait_for(third._reader, 30)
+    for client in holders:
+        await client.close()
+    return {"first": first, "events": [r.event["type"] for r in third.events], "close": third.socket.close_code}
+
+
+def test_a_third_client_is_refused_before_session_created(keyed_server):
+    """The Demo reads the first event: `session_capacity_exceeded` means busy (retry), anything else marks the
+    replica down."""
+    result = asyncio.run(a_third_client(keyed_server))
+    assert first_event_verdict(result["first"]) == "busy", result
+    assert result["events"] == ["error"] and result["close"] == 1013
+
+
+async def questions_and_barge_in(server) -> dict:
+    """A question while the model is silent; then, with a slow turn (a 3 tok/s cap), a question that barges in
+    once the turn's first text arrived (the Demo mutes at that moment)."""
+    client = keyed_client(server)
+    await client.open(max_new_tokens=TURN_LIMIT, include_usage=True)
+    await client.settle()
+    parked_question = await client.prompt("Tell me when a dot appears.")
+    await client.settle(parked_question)
+    slow = keyed_client(server)
+    await client.close()
+    await slow.open(max_new_tokens=TURN_LIMIT, max_tokens_per_turn=3.0)
+    await slow.settle()
+    first = await slow.prompt("Tell me when a dot appears.")
+    await slow.wait_processed(first)
+    start = len(slow.events)
+    await slow.wait_for("response.text.delta", start=start)
+    barge_index = len(slow.events)
+    second = await slow.prompt("What moved?")
+    await slow.settle(second)
+    await slow.close()
+    return {"client": client, "question": parked_question, "slow": slow, "barge": (barge_index, second)}
+
+
+def turn_change(client, seq_no) -> tuple[dict, dict]:
+    events = [r.event for r in client.events]
+    interrupted = [e for e in events if e["type"] == "response.turn.interrupted" and e["seq_no"] == seq_no]
+    processed = [e for e in events if e["type"] == "input.prompt.processed" and e["seq_no"] == seq_no]
+    assert len(interrupted) == 1 and len(processed) == 1, events
+    assert events.index(interrupted[0]) < events.index(processed[0])
+    return interrupted[0], processed[0]
+
+
+def test_every_question_announces_its_turn(keyed_server):
+    """Asked while the model is silent, and barging into a running turn: `response.turn.interrupted` with the
+    prompt's `seq_no`, the turn fields on its `.processed`, the answer's deltas in the announced turn; the Demo's
+    view shows the answers (it advances turns only on the interrupt and unmutes only at the prompt's `seq_no`)."""
+    result = asyncio.run(questions_and_barge_in(keyed_server))
+    client, slow = result["client"], result["slow"]
+    interrupted, processed = turn_change(client, result["question"])
+    assert (processed["interrupted_turn_id"], processed["turn_id"]) == (
+        interrupted["turn_id"],
+        interrupted["next_turn_id"],
+    )
+    answer = [r.event for r in client.events if r.event["type"] == "response.text.delta"][-1]
+    assert answer["turn_id"] == interrupted["next_turn_id"]
+    view = demo_view([r.event for r in client.events])
+    assert view.shown.get(interrupted["next_turn_id"]), view
+    assert not view.dropped and not view.invalid_usage
+
+    barge_index, second = result["barge"]
+    interrupted, processed = turn_change(slow, second)
+    assert (processed["interrupted_turn_id"], processed["turn_id"]) == (
+        interrupted["turn_id"],
+        interrupted["next_turn_id"],
+    )
+    view = demo_view([r.event for r in slow.events], barge_ins={barge_index: second})
+    assert not view.muted and view.shown.get(interrupted["next_turn_id"]), view
+
+
+async def usage_while_parked(server) -> dict:
+    client = keyed_client(server)
+    await client.open(max_new_tokens=TURN_LIMIT, include_usage=True)
+    await client.settle()
+    await client.settle(await client.frame(noise_image(31), 0.0))
+    loads = keyed_loads(server)
+    await client.close()
+    return {"client": client, "loads": loads}
+
+
+def test_usage_matches_the_loads(keyed_server):
+    """With `include_usage`: a `session.usage` per output with the real server's fields; parked, the KV it reports
+    is what `/v1/loads` counts, and the context arithmetic holds."""
+    result = asyncio.run(usage_while_parked(keyed_server))
+    usages = [r.event for r in result["client"].events if r.event["type"] == "session.usage"]
+    assert usages, "no session.usage"
+    last = usages[-1]
+    assert sum(load["num_used_tokens"] for load in result["loads"]) == last["kv_tokens"], (result["loads"], last)
+    assert last["context_limit"] < 4096  # the positions a request may fill (stock: its max_req_len - 1)
+    assert last["token_space_used"] + last["context_remaining"] == last["context_limit"]
+    assert last["encoder_tokens"] == last["encoder_kv_tokens"] > 0
+    view = demo_view([r.event for r in result["client"].events])
+    assert view.usage is not None and not view.invalid_usage
+    decoder = [u["decoder_tokens"] for u in usages]
+    assert decoder == sorted(decoder)
+
+
+async def configure_then_stream(server, frames: int) -> RealtimeClient:
+    client = keyed_client(server)
+    await client.connect()
+    await client.send({"type": "session.configure", "max_new_tokens": 5000})
+    await client.wait_for("error")
+    await client.send({"type": "session.configure", "max_new_tokens": 2048, "include_usage": True})
+    await client.wait_for("session.ready")
+    await client.settle()
+    for index in range(frames):
+        await client.settle(await client.frame(noise_image(500 + index), float(index)))
+    await client.close()
+    return client
+
+
+def test_a_minute_at_1fps_with_2048_new_tokens_runs_to_its_end(keyed_server):
+    """`--context-length 4096`: `max_new_tokens` 5000 is refused at configure (`invalid_request`, the connection
+    waits for another configure); 2048 opens, and 60 frames at 1 fps run to the end (each step reserves what it can
+    write, not the turn's allowance)."""
+    client = asyncio.run(configure_then_stream(keyed_server, 60))
+    errors = [r.event for r in client.events if r.event["type"] == "error"]
+    assert [error["code"] for error in errors] == ["invalid_request"], errors
+    assert client.count("input.frame.processed") == 60
+    assert client.count("session.done") == 0
+    last = [r.event for r in client.events if r.event["type"] == "session.usage"][-1]
+    assert last["context_remaining"] > 0
+
+
+async def benchmark_session(server) -> RealtimeClient:
+    client = keyed_client(server)
+    await client.open(max_new_tokens=4, benchmark_ignore_eos=True)
+    await client.wait_for("response.done")
+    await client.close()
+    return client
+
+
+def test_benchmark_mode_accepts_ignore_eos(keyed_server):
+    """The server runs with benchmark mode (`MOSSVL_VIDEO_REALTIME_BENCHMARK_MODE=1`): `benchmark_ignore_eos` is
+    accepted and the first turn runs to its allowance (`response.done` "length")."""
+    client = asyncio.run(benchmark_session(keyed_server))
+    done = [r.event for r in client.events if r.event["type"] == "response.done"]
+    assert done[0]["finish_reason"] == "length"
+
+
+def png_of_size(size: int) -> bytes:
+    """A valid PNG of exactly ``size`` bytes (an 8x8 image and trailing bytes after IEND, which decoders skip)."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(buffer, format="PNG")
+    data = buffer.getvalue()
+    return data + b"\0" * (size - len(data))
+
+
+def bomb_png(side: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("L", (side, side), 0).save(buffer, format="PNG", optimize=True)
+    return buffer.getvalue()
+
+
+async def frames_at_the_limits(server) -> dict:
+    client = keyed_client(server)
+    configured = await client.open(max_new_tokens=TURN_LIMIT)
+    await client.settle()
+    limit = configured["max_frame_bytes"]
+    answers = {}
+    for name, data in (
+        ("at_limit", png_of_size(limit)),
+        ("over_limit", png_of_size(limit + 1)),
+        ("bomb", bomb_png(6000)),
+    ):
+        seq_no = client.next_seq_no
+        await client.send({"type": "input.frame", "seq_no": seq_no, "timestamp": 1.0, "mime_type": "image/png"})
+        await client.wait_for("input.frame.ready", seq_no=seq_no)
+        start = len(client.events)
+        await client.socket.send(data)
+        answers[name] = await client.wait_for(("input.frame.accepted", "error"), start=start)
+        if answers[name]["type"] == "input.frame.accepted":
+            client.next_seq_no += 1
+            await client.settle(seq_no)
+        answers[f"{name}_bytes"] = len(data)
+    await client.close()
+    return {"answers": answers, "limit": limit}
+
+
+def test_frames_at_the_limits(keyed_server):
+    """The advertised `max_frame_bytes` is the enforced one (below the server stack's message limit): exactly that
+    many bytes are accepted, one more gets `frame_too_large` and the session goes on; a PNG of 36 megapixels (a few
+    kilobytes, over the processor's `max_input_pixels`) is refused from its header and the server's memory stays flat
+    (decoding it would take 36 MB)."""
+    rss = psutil.Process(keyed_server.process.pid)
+    before = rss.memory_info().rss
+    result = asyncio.run(frames_at_the_limits(keyed_server))
+    grown = rss.memory_info().rss - before
+    answers = result["answers"]
+    assert answers["at_limit"]["type"] == "input.frame.accepted", answers["at_limit"]
+    assert answers["at_limit_bytes"] == result["limit"]
+    assert (answers["over_limit"]["type"], answers["over_limit"]["code"]) == ("error", "frame_too_large")
+    assert (answers["bomb"]["type"], answers["bomb"]["code"]) == ("error", "invalid_request")
+    assert "max_input_pixels" in answers["bomb"]["message"] and answers["bomb_bytes"] < 200_000
+    assert grown < 30 * 1024 * 1024, grown

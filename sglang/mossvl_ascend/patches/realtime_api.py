@@ -9,6 +9,7 @@ import logging
 import os
 from typing import Any, Optional
 
+from fastapi import WebSocket
 from sglang.srt.plugins.hook_registry import HookType
 from starlette.routing import WebSocketRoute
 
@@ -49,7 +50,7 @@ def mount_realtime_api(*args: Any, **kwargs: Any) -> None:
     serve = mount(http_server.app, engine, allow_benchmark_mode=benchmark_mode, api_keys=_api_keys)
     stock = _route_endpoint(http_server.app, GATEWAY_PATH)
 
-    async def realtime(websocket) -> None:
+    async def realtime(websocket: WebSocket) -> None:  # annotated: FastAPI injects by type
         if stock is not None and not engine.serves_moss_vl():
             await stock(websocket)
             return

@@ -51,6 +51,31 @@ CLOSE_STEP = "close"
 SESSION_ATTRIBUTE = "mossvl_realtime_session"
 # In a windowed step's sampling ``custom_params``: per new frame, the first frame still in the window after it.
 WINDOW_STARTS_PARAM = "mossvl_window_starts"
+# The abort message of a step its session's context cannot hold (the session is full; the client's error code
+# `context_exhausted`, the real server's).
+CONTEXT_EXHAUSTED = "realtime context exhausted"
+# A step's ``customized_info`` key (reaches the HTTP side in its first output's ``meta_info``): the session's context
+# account when the step starts (:func:`usage_after`).
+USAGE_INFO_KEY = "mossvl_realtime_context"
+
+
+def usage_after(account: dict, generated: int) -> dict:
+    """``session.usage`` once a step generated ``generated`` tokens, from the account at its start: ``decoder_tokens``
+    (text positions, the token sampled last included), ``encoder_tokens`` (every vision token appended, windowed-out
+    ones included), ``encoder_kv_tokens`` (those still held), ``token_space_used`` (what counts against the context
+    here: encoder rows, whole pages, plus text positions), ``context_limit``, ``context_remaining``; and ``kv_tokens``:
+    the KV slots the session holds (whole pages), what ``/v1/loads`` counts for it."""
+    decoder = account["text_rows"] + generated
+    used = account["encoder_rows"] + decoder
+    return {
+        "decoder_tokens": decoder,
+        "encoder_tokens": account["encoder_tokens"],
+        "encoder_kv_tokens": account["encoder_kv_tokens"],
+        "token_space_used": used,
+        "context_limit": account["context_limit"],
+        "context_remaining": max(0, account["context_limit"] - used),
+        "kv_tokens": _ceil_to(used - 1, account["page_size"]),
+    }
 
 
 def step_rid(session_id: str, step: int | str) -> str:
@@ -257,12 +282,18 @@ def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
     if needed > encoder_rows:
         encoder_rows += _ceil_to(needed - encoder_rows, page)
     text_rows = len(stream.text_ids) + len(plan.rows)
-    if encoder_rows + text_rows + req.sampling_params.max_new_tokens > scheduler.max_req_input_len:
+    # A step reserves what it can write, not the turn's allowance: most steps end on <|silence|> after a few tokens.
+    # Stock's bound on a request's new tokens (``init_req_max_new_tokens``), applied to the whole sequence.
+    context_limit = scheduler.max_req_len - 1
+    room = context_limit - (encoder_rows + text_rows)
+    if room < 1:
         req.set_finish_with_abort(
-            f"realtime session {session_id} is full: {encoder_rows} encoder and {text_rows} text rows plus "
-            f"{req.sampling_params.max_new_tokens} new tokens exceed the context ({scheduler.max_req_input_len})"
+            f"{CONTEXT_EXHAUSTED}: realtime session {session_id} holds {encoder_rows} encoder and "
+            f"{text_rows - len(plan.rows)} text rows; its next {len(plan.rows)} rows and a token exceed the context "
+            f"({context_limit} positions)"
         )
         return
+    req.sampling_params.max_new_tokens = min(req.sampling_params.max_new_tokens, room)
     from sglang.srt.managers.schedule_batch import MultimodalInputs
 
     if mm is None:
@@ -295,6 +326,18 @@ def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
     mm.mrope_position_delta = torch.tensor([[plan.next_position - text_rows]], dtype=torch.int64)
     mm.vision_position_ids = plan.vision_positions
     stream.step = RunningStep(req.rid, plan, encoder_rows, vision_tokens, new_vision_from=stream.vision_tokens)
+    req.customized_info = {
+        USAGE_INFO_KEY: [
+            {
+                "text_rows": text_rows,
+                "encoder_rows": encoder_rows,
+                "encoder_tokens": stream.dropped_tokens + vision_tokens,
+                "encoder_kv_tokens": vision_tokens,
+                "context_limit": context_limit,
+                "page_size": page,
+            }
+        ]
+    }
 
 
 def match_step_prefix(original: Callable, session, params):

@@ -26,9 +26,18 @@ import os
 import re
 import sys
 import uuid
+from dataclasses import dataclass
 from typing import Optional
 
-from mossvl_ascend.patches.realtime_sessions import CLOSE_STEP, INTERRUPT_MESSAGE, WINDOW_STARTS_PARAM, step_rid
+from mossvl_ascend.patches.realtime_sessions import (
+    CLOSE_STEP,
+    CONTEXT_EXHAUSTED,
+    INTERRUPT_MESSAGE,
+    USAGE_INFO_KEY,
+    WINDOW_STARTS_PARAM,
+    step_rid,
+    usage_after,
+)
 from mossvl_ascend.realtime.session_api import (
     CLOSED,
     ERROR,
@@ -38,6 +47,7 @@ from mossvl_ascend.realtime.session_api import (
     SILENCE,
     TEXT,
     TURN_DONE,
+    USAGE,
     Frame,
     Output,
     RealtimeError,
@@ -79,6 +89,15 @@ def frame_window_from_env() -> Optional[float]:
     if not seconds > 0:
         raise ValueError(f"{FRAME_WINDOW_ENV}={value!r}: the frame window must be a positive number of seconds")
     return seconds
+
+
+@dataclass(frozen=True)
+class DrainedInput:
+    """An input event of a step: its ``seq_no`` (None: pushed without one) and, for a prompt, the turn it closed and
+    the turn it opened."""
+
+    seq_no: Optional[int]
+    turn: Optional[tuple[int, int]] = None
 
 
 class ServedRealtimeEngine:
@@ -127,7 +146,7 @@ class ServedRealtimeEngine:
         if not self.serves_moss_vl():
             architectures = getattr(manager.model_config.hf_config, "architectures", None)
             raise RealtimeError("unsupported_model", f"realtime sessions need a MOSS-VL model, not {architectures}")
-        if config.max_new_tokens >= manager.context_len:
+        if config.max_new_tokens > manager.context_len:
             raise RealtimeError(
                 "invalid_request",
                 f"max_new_tokens {config.max_new_tokens} does not fit the context ({manager.context_len} tokens) "
@@ -208,7 +227,7 @@ class ServedSession:
     def push_frame(self, frame: Frame, prompt: Optional[str] = None) -> None:
         if prompt:
             self._check_prompt_fits(prompt)
-            self.prompts.append((prompt, None))
+            self.prompts.append((prompt, frame.seq_no))
         self.frames.append(frame)
         self.wake.set()
 
@@ -247,13 +266,13 @@ class ServedSession:
         rate = self.config.max_tokens_per_turn
         clock = asyncio.get_running_loop().time
         try:
-            rows, frames, seq_nos = self._initial_rows(), [], []
+            rows, frames, inputs = self._initial_rows(), [], []
             first, turn_tokens, next_due = True, 0, clock()
             while not self.closing:
                 # With a rate cap each token is a step of its own, spaced 1/rate apart, input drained between them
                 # (the reference loop paces the same way).
                 allowance = 1 if rate else self.config.max_new_tokens - turn_tokens
-                last, generated, interrupted = await self._step(rows, frames, seq_nos, ready=first, allowance=allowance)
+                last, generated, interrupted = await self._step(rows, frames, inputs, ready=first, allowance=allowance)
                 first, turn_tokens = False, turn_tokens + generated
                 if rate:
                     next_due = max(next_due + generated / rate, clock())
@@ -267,11 +286,8 @@ class ServedSession:
                     await self._wait_for_input()
                 if self.closing:
                     break
-                barge_in = bool(self.prompts) and not idle
                 turn_id = self.turn_id
-                rows, frames, seq_nos = self._drain()
-                if barge_in:
-                    self.outputs.put_nowait(Output(INTERRUPTED, turn_id=turn_id, next_turn_id=self.turn_id))
+                rows, frames, inputs = self._drain()
                 if idle or self.turn_id != turn_id:
                     turn_tokens, next_due = 0, clock()
         except RealtimeError as error:
@@ -314,16 +330,23 @@ class ServedSession:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _drain(self) -> tuple[list[int], list[Frame], list[int]]:
+    def _drain(self) -> tuple[list[int], list[Frame], list["DrainedInput"]]:
+        """The pending inputs as one segment: (its rows, its frames, its inputs in order). Every prompt opens a turn,
+        whether the model was speaking or silent (the real server announces each one)."""
         prompts, self.prompts = self.prompts, []
         frames, self.frames = sorted(self.frames, key=lambda f: f.timestamp), []
         text = "".join(prompt_splice(prompt) for prompt, _ in prompts)
         if prompts:
             text += SILENCE_TOKEN
-            self.turn_id += len(prompts)
+        inputs = []
+        for _, seq_no in prompts:
+            inputs.append(DrainedInput(seq_no, (self.turn_id, self.turn_id + 1)))
+            self.turn_id += 1
         text += "".join(frame_markup(frame.timestamp) for frame in frames)
-        seq_nos = [s for _, s in prompts if s is not None] + [f.seq_no for f in frames if f.seq_no is not None]
-        return self._encode(text), frames, seq_nos
+        opened = {entry.seq_no for entry in inputs}
+        inputs += [DrainedInput(f.seq_no) for f in frames if f.seq_no is not None and f.seq_no not in opened]
+        inputs.sort(key=lambda entry: -1 if entry.seq_no is None else entry.seq_no)
+        return self._encode(text), frames, inputs
 
     def _patches(self, frames: list[Frame]):
         import torch
@@ -339,7 +362,7 @@ class ServedSession:
         return torch.cat(pixels), torch.tensor(grids)
 
     async def _step(
-        self, rows: list[int], frames: list[Frame], seq_nos: list[int], ready: bool, allowance: int
+        self, rows: list[int], frames: list[Frame], inputs: list["DrainedInput"], ready: bool, allowance: int
     ) -> tuple[int, int, bool]:
         """One engine step: the rows (and frames) as an extend, then up to ``allowance`` tokens; input arriving
         meanwhile interrupts it at the next token. -> (the last token, tokens generated, interrupted)."""
@@ -348,10 +371,14 @@ class ServedSession:
         rid = step_rid(self.session_id, next(self.steps))
         if frames:
             _STEP_FRAMES[rid] = self._patches(frames)
+        input_ids = self.generated[-1:] + rows  # the token generated last goes through the model with the rows
+        # What the step may write is bounded by the context (the scheduler bounds it again by the session's room):
+        # a turn's allowance larger than the context is no reason to refuse the step.
+        step_tokens = max(1, min(allowance, self.engine.tokenizer_manager.context_len - len(input_ids) - 1))
         request = GenerateReqInput(
             rid=rid,
-            input_ids=self.generated[-1:] + rows,  # the token generated last goes through the model with the rows
-            sampling_params=self._sampling(max(1, allowance), self._window_starts(frames)),
+            input_ids=input_ids,
+            sampling_params=self._sampling(step_tokens, self._window_starts(frames)),
             stream=True,
             return_logprob=self.config.return_logprob,
             data_parallel_rank=self.dp_rank,
@@ -362,11 +389,12 @@ class ServedSession:
         try:
             async for chunk in manager.generate_request(request, None):
                 ids = chunk.get("output_ids") or []
+                if ids and seen < len(ids):
+                    self._put_usage(chunk, len(ids))
                 if seen == 0 and ids:
                     if ready:
                         self.outputs.put_nowait(Output(READY))
-                    for seq_no in seq_nos:
-                        self.outputs.put_nowait(Output(PROCESSED, seq_no=seq_no))
+                    self._put_processed(inputs)
                 new, seen = ids[seen:], len(ids)
                 self.generated.extend(new)
                 if self.config.return_logprob:
@@ -375,7 +403,9 @@ class ServedSession:
                 self._emit_text(new)
                 finish = chunk.get("meta_info", {}).get("finish_reason")
                 if isinstance(finish, dict) and finish.get("type") == "abort":
-                    raise RealtimeError("session_aborted", finish.get("message") or "the engine aborted the session")
+                    message = finish.get("message") or "the engine aborted the session"
+                    code = "context_exhausted" if CONTEXT_EXHAUSTED in message else "session_aborted"
+                    raise RealtimeError(code, message)
                 if finish is None and self.pending_inputs and not interrupted:
                     manager._dispatch_to_scheduler(AbortReq(rid=rid, abort_message=INTERRUPT_MESSAGE))
                     interrupted = True
@@ -389,6 +419,28 @@ class ServedSession:
         # An interrupt that lost the race with the turn's own end (silence, the limit) changed nothing.
         interrupted = interrupted and not self._ends_turn(last) and seen < allowance
         return last, seen, interrupted
+
+    def _put_processed(self, inputs: list["DrainedInput"]) -> None:
+        """Each input of the step, once its extend ran: a prompt's turn change first (the real server sends
+        ``response.turn.interrupted`` with the prompt's ``seq_no``, then its ``.processed`` with the turn fields)."""
+        for entry in inputs:
+            if entry.turn is not None:
+                interrupted, opened = entry.turn
+                self.outputs.put_nowait(
+                    Output(INTERRUPTED, turn_id=interrupted, next_turn_id=opened, seq_no=entry.seq_no)
+                )
+            if entry.seq_no is not None:
+                turn, opened = entry.turn if entry.turn is not None else (self.turn_id, None)
+                self.outputs.put_nowait(Output(PROCESSED, seq_no=entry.seq_no, turn_id=turn, next_turn_id=opened))
+
+    def _put_usage(self, chunk: dict, generated: int) -> None:
+        """The session's context use once this step generated ``generated`` tokens, from the scheduler's account at
+        the step's start (:data:`USAGE_INFO_KEY`); the real server's fields, plus the KV slots held (``kv_tokens``,
+        what ``/v1/loads`` counts for the session)."""
+        accounts = chunk.get("meta_info", {}).get(USAGE_INFO_KEY) or []
+        if not accounts:
+            return
+        self.outputs.put_nowait(Output(USAGE, usage=usage_after(accounts[0], generated)))
 
     def _ends_turn(self, token: int) -> bool:
         """``<|silence|>`` ends a turn, except in benchmark mode (``ignore_eos``: a turn runs to its allowance)."""

@@ -184,11 +184,20 @@ class InputOrder:
             self.last_timestamp = float(timestamp)
 
 
-def decode_frame(data: bytes, mime_type: str, *, max_frame_bytes: int = MAX_FRAME_BYTES, seq_no=None):
+def decode_frame(
+    data: bytes,
+    mime_type: str,
+    *,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+    max_pixels: Optional[int] = None,
+    seq_no=None,
+):
     """Decode one binary frame into an RGB PIL image; too large -> ``frame_too_large``, else ``invalid_request``.
 
     Only the three formats the protocol names are tried, so a payload of any other format is undecodable. The
-    declared ``mime_type`` is not required to match the bytes (the real server does not check it either).
+    declared ``mime_type`` is not required to match the bytes (the real server does not check it either). An image
+    of more than ``max_pixels`` pixels is refused from its header (PIL reads the size without decoding): a small
+    file can decode to a huge image.
     """
     if not data:
         raise ProtocolError("frame payload must be non-empty", seq_no=seq_no)
@@ -200,8 +209,17 @@ def decode_frame(data: bytes, mime_type: str, *, max_frame_bytes: int = MAX_FRAM
         )
     try:
         with Image.open(BytesIO(data), formats=tuple(_FORMATS_BY_MIME.values())) as image:
+            width, height = image.size
+            if max_pixels is not None and width * height > max_pixels:
+                raise ProtocolError(
+                    f"frame of {width}x{height} = {width * height} pixels exceeds the processor's limit "
+                    f"max_input_pixels={max_pixels}",
+                    seq_no=seq_no,
+                )
             image.load()
             return image.convert("RGB")
+    except ProtocolError:
+        raise
     except Exception as exc:  # PIL raises many types (UnidentifiedImageError, OSError, DecompressionBombError)
         raise ProtocolError(f"undecodable {mime_type} frame: {exc}", seq_no=seq_no) from None
 

@@ -53,6 +53,7 @@ TEXT = "text"  # `text` of turn `turn_id`
 SILENCE = "silence"  # turn `turn_id` ended on <|silence|>
 TURN_DONE = "turn_done"  # turn `turn_id` reached max_new_tokens
 INTERRUPTED = "interrupted"  # a prompt closed turn `turn_id`; `next_turn_id` opens
+USAGE = "usage"  # `usage`: the session's context use (session.usage's fields)
 ERROR = "error"  # `code`, `message`; `fatal` ends the session
 CLOSED = "closed"  # the session ended; nothing follows
 

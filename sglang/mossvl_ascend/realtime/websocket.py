@@ -188,6 +188,8 @@ class _Connection:
     def __init__(self, websocket: WebSocket, engine: api.RealtimeEngine, limits: _Limits, waiting: set):
         self.ws, self.engine, self.limits = websocket, engine, limits
         self.waiting = waiting
+        # A frame decoding to more pixels than the processor takes is refused from its header, before it is decoded.
+        self.max_pixels: Optional[int] = (engine.capabilities() or {}).get("max_input_pixels")
         self.session_id = f"video_sess_{uuid.uuid4().hex}"
         self.request_id = f"video_req_{uuid.uuid4().hex}"
         self.send_lock = asyncio.Lock()
@@ -428,7 +430,12 @@ class _Connection:
             raise p.ProtocolError("binary frame must follow input.frame metadata (and its input.frame.ready)")
         # Decoding is CPU work (a large JPEG takes tens of ms): keep it off the event loop.
         image = await asyncio.to_thread(
-            p.decode_frame, data, meta.mime_type, max_frame_bytes=self.limits.max_frame_bytes, seq_no=meta.seq_no
+            p.decode_frame,
+            data,
+            meta.mime_type,
+            max_frame_bytes=self.limits.max_frame_bytes,
+            max_pixels=self.max_pixels,
+            seq_no=meta.seq_no,
         )
         frame = api.Frame(image=image, timestamp=meta.timestamp, seq_no=meta.seq_no)
         async with self.send_lock:
@@ -528,6 +535,8 @@ class _Connection:
                 return _Ended(aborted=True)
         elif kind == api.CLOSED:
             return _Ended(aborted=False)
+        elif kind == api.USAGE:
+            pass  # its numbers go out as session.usage when the client asked (_forward_outputs)
         else:
             logger.warning("realtime session %s: unknown output kind %r", self.session_id, kind)
         return None
