@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -188,7 +189,12 @@ def served_ids(client, model_name: str, messages: list[dict], **overrides) -> di
     }
 
 
-PREFILL_LINE = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+),.*?#running-req: (\d+)")
+# Stock sglang's prefill log line (``scheduler_components/metrics_reporter.py``): ``#new-token`` is the sum over the
+# batch's requests of the tokens the engine extended (``PrefillAdder``: ``len(fill_ids) - prefix_len``, what it
+# computed, not what it found in the cache), ``#cached-token`` their matched prefixes.
+PREFILL_LINE = re.compile(
+    r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+),.*?#running-req: (\d+)"
+)
 RETRACTION_LINE = re.compile(r"Testing retraction\. #retracted_reqs: (\d+)")
 
 
@@ -206,9 +212,25 @@ def server_log(server) -> str:
     return server.log_path.read_text(errors="replace")
 
 
+@dataclass(frozen=True)
+class EnginePrefill:
+    """One prefill batch as the engine logged it."""
+
+    new_seqs: int
+    new_tokens: int  # tokens the engine computed in this batch (its requests' extends)
+    cached_tokens: int  # tokens its requests took from the cache instead
+    running_reqs: int
+
+
+def engine_prefills(log_text: str) -> list[EnginePrefill]:
+    """Every prefill batch in a server log, from stock sglang's own counts (not from anything the plugin logs): the
+    independent record of how much work each step of a request really cost."""
+    return [EnginePrefill(*map(int, m.groups())) for m in PREFILL_LINE.finditer(log_text)]
+
+
 def prefill_batches(server) -> list[tuple[int, int, int]]:
     """(#new-seq, #new-token, #running-req) of every prefill batch the server logged (for this user)."""
-    return [tuple(map(int, m.groups())) for m in PREFILL_LINE.finditer(server_log(server))]
+    return [(b.new_seqs, b.new_tokens, b.running_reqs) for b in engine_prefills(server_log(server))]
 
 
 def retractions(server) -> list[int]:
