@@ -12,7 +12,7 @@ DEVICE ?= cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint test test-fast catalog demo demo-realtime serve tiny-model bench bench-serving bench-realtime bench-realtime-engine clean
+.PHONY: help setup lint test test-fast catalog demo demo-realtime serve tiny-model bench bench-serving bench-realtime bench-realtime-engine serve-fleet bench-fleet clean
 
 help: ## list the targets with what each does
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -66,6 +66,11 @@ bench-serving: setup ## sglang bench_serving (c=1, c=8) vs the reference model o
 
 bench-realtime: setup ## reference realtime stream: step time at frame 10 and 200 (tiny, bench) vs the old per-prompt re-encode
 	$(CPU_ENV) $(PY) benchmarks/bench_realtime_reference.py
+
+WORKERS ?= 2
+POLICY ?= cache_aware
+serve-fleet: setup ## WORKERS= CPU workers (one core share each) behind smg on 127.0.0.1:$(PORT) (POLICY=cache_aware|round_robin, ARGS= to every worker); Ctrl-C stops all
+	$(PY) -m serving.fleet --model-path $(MODEL) --device $(DEVICE) --port $(PORT) --workers $(WORKERS) --policy $(POLICY) $(ARGS)
 
 bench-realtime-engine: setup ## realtime sessions served by sglang (1-8 sessions, 1 and 2 fps) beside the transformers session
 	$(CPU_ENV) $(PY) benchmarks/bench_realtime.py $(ARGS)
