@@ -127,6 +127,17 @@ def test_video_frame_limits_and_segments(video_processor):
     assert stamps_of(video_processor, split["input_ids"]) == ["0.5", "1.5", "2.0"]
 
 
+def test_frame_list_video_is_ours_pre_sampled(video_processor):
+    """Not in the real processor (paths and segment dicts only): frames given as a list are one video, every frame
+    kept up to max_frames (integer linspace), stamped as given or i / video_fps."""
+    frames = [Image.new("RGB", (64, 64), (i * 40, 0, 0)) for i in range(5)]
+    given = video_processor(text="<|video|>", videos=[{"frames": frames[:3], "timestamps": [0.5, 1.5, 2.5]}])
+    assert stamps_of(video_processor, given["input_ids"]) == ["0.5", "1.5", "2.5"]
+    thinned = video_processor(text="<|video|>", videos=[frames], media_kwargs={"max_frames": 3, "video_fps": 2.0})
+    assert stamps_of(video_processor, thinned["input_ids"]) == ["0.0", "1.0", "2.0"]  # frames 0, 2, 4 at 2 fps
+    assert thinned["grid_thw"].tolist() == [[3, 4, 4]]
+
+
 def test_videos_of_one_call_share_max_frames_and_the_pixel_budget(video_processor):
     """max_frames 3 over two 3 s clips: one each, the spare one to the first (equal remainders, lower index first).
     video_max_pixels 16384 over two 3-frame clips of 48x64: 8192 each, under their 3 x 64 x 64 -> 32x32 frames;
@@ -189,7 +200,8 @@ def test_batch_is_left_padded_and_visibility_counts_only_own_frames(processor):
         (dict(text="<|video|>", videos=["/nonexistent/clip.mp4"]), FileNotFoundError, "clip.mp4"),
         (dict(text="<|image|><|image|>", images=[str(ASSETS / "square_64.png")]), ValueError, "<|image|>"),
         (dict(text="no placeholder", images=[str(ASSETS / "square_64.png")]), ValueError, "1 image(s)"),
-        (dict(text="<|video|>", videos=[{"frames": []}]), ValueError, "video_path"),
+        (dict(text="<|video|>", videos=[{"frames": []}]), ValueError, "has none"),
+        (dict(text="<|video|>", videos=[{"clip": "a.mp4"}]), ValueError, "video_path"),
         (dict(text="<|video|>"), ValueError, "<|video|>"),
         (dict(text="  "), ValueError, "non-empty text"),
     ],

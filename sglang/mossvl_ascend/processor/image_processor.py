@@ -28,9 +28,12 @@ from .images import (
 )
 from .video import (
     DEFAULT_VIDEO_SIZE,
+    DecodedClip,
     SampledVideo,
     decode_clip,
     frame_count,
+    frame_list_clip,
+    is_frame_list,
     sample_clip,
     sample_segments,
     share_max_frames,
@@ -204,11 +207,14 @@ class MossVLImageProcessor(BaseImageProcessor):
 
     def sample_videos(self, videos: Sequence[Any]) -> list[SampledVideo]:
         """Each video input's sampled frames (a segments dict gives one video per segment)."""
-        clips = [decode_clip(video_path_of(video)) for video in videos]
+        clips, given_stamps = zip(*(self.clip_of(video) for video in videos))
         shares = share_max_frames([clip.duration for clip in clips], self.max_frames)
         sampled = []
-        for video, clip, share in zip(videos, clips, shares):
-            if isinstance(video, dict) and "segments" in video:
+        for video, clip, stamps, share in zip(videos, clips, given_stamps, shares):
+            if is_frame_list(video):
+                # pre-sampled: every frame kept up to max_frames (integer linspace), stamps as given or i / fps
+                sampled.append(sample_clip(clip, min(len(clip.times), share), stamps))
+            elif isinstance(video, dict) and "segments" in video:
                 sampled += sample_segments(clip, video["segments"], self.video_fps, self.min_frames, share)
             else:
                 # a whole clip is also capped by how many minimum-size frames the total budget holds
@@ -216,6 +222,11 @@ class MossVLImageProcessor(BaseImageProcessor):
                     share = min(share, self.video_max_pixels // self.video_size["shortest_edge"])
                 sampled.append(sample_clip(clip, frame_count(clip, self.video_fps, self.min_frames, share)))
         return sampled
+
+    def clip_of(self, video: Any) -> tuple[DecodedClip, Optional[list[float]]]:
+        if is_frame_list(video):
+            return frame_list_clip(video, self.video_fps, lambda frame: image_tensor(load_image(frame)))
+        return decode_clip(video_path_of(video)), None
 
     def videos(self, sampled: Sequence[SampledVideo]) -> list[tuple[torch.Tensor, list[int]]]:
         """(patches, [frames, gh, gw]) per sampled video, the call's video budget shared by volume."""

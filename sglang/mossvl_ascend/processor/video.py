@@ -55,6 +55,28 @@ class SampledVideo:
     timestamps: list[float]
 
 
+def is_frame_list(video: Any) -> bool:
+    """Pre-sampled frames: a list of images or ``{"frames": [...], "timestamps": [...]}`` (ours; the real processor
+    takes paths and segment dicts only)."""
+    return isinstance(video, (list, tuple)) or (isinstance(video, dict) and "frames" in video)
+
+
+def frame_list_clip(video: Any, fps: float, load_frame) -> tuple[DecodedClip, Optional[list[float]]]:
+    """A frame list as a clip of its frames shown 1/fps each, and its given timestamps if any."""
+    frames = list(video["frames"] if isinstance(video, dict) else video)
+    given = video.get("timestamps") if isinstance(video, dict) else None
+    if not frames:
+        raise ValueError("a video given as frames has none")
+    if given is not None and len(given) != len(frames):
+        raise ValueError(f"a video of {len(frames)} frames has {len(given)} timestamps")
+    pictures = [load_frame(frame) for frame in frames]
+    if len({tuple(p.shape) for p in pictures}) > 1:
+        raise ValueError("the frames of one video must have one size")
+    times = [i / fps for i in range(len(frames))]
+    clip = DecodedClip(torch.stack(pictures), times, 0.0, len(frames) / fps)
+    return clip, None if given is None else [float(t) for t in given]
+
+
 def video_path_of(video: Any) -> str:
     path = video.get("video_path") if isinstance(video, dict) else video
     if not isinstance(path, (str, os.PathLike)):
@@ -95,11 +117,13 @@ def frame_count(clip: DecodedClip, fps: float, min_frames: int, max_frames: int)
     return min(max(target, min_frames), max_frames, len(clip.times))
 
 
-def sample_clip(clip: DecodedClip, count: int) -> SampledVideo:
-    """``count`` frames at integer linspace over all decoded frames, stamped index / average_fps."""
+def sample_clip(clip: DecodedClip, count: int, stamps: Optional[Sequence[float]] = None) -> SampledVideo:
+    """``count`` frames at integer linspace over all decoded frames, stamped index / average_fps (or ``stamps``,
+    one per frame of the clip)."""
     total = len(clip.times)
     indices = np.unique(np.clip(np.linspace(0, total - 1, count).astype(np.int32), 0, total - 1)).tolist()
-    return SampledVideo(clip.frames[indices], [index / clip.average_fps for index in indices])
+    seconds = [stamps[i] if stamps is not None else i / clip.average_fps for i in indices]
+    return SampledVideo(clip.frames[indices], seconds)
 
 
 def clamp_to_content(timestamps: Sequence[float], clip: DecodedClip) -> list[float]:
