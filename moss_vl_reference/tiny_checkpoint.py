@@ -17,13 +17,13 @@ row scaled, its logit spreads several times wider than the others', so greedy st
 hidden state leans its way: deterministically (same seed, same streams) and often, so short turns end in silence
 and the realtime tests see the stream park and wake. The tiny and bench presets are untouched.
 
-`tiny-real-layout` is tiny-realtime's model in the published checkpoints' layout (OpenMOSS-Team/MOSS-VL-Realtime,
-0708 line): config.json in the transformers 4.57 form (`rope_scaling` with `rope_theta` beside it,
-`vision_seq_pad_multiple`, `transformers_version` 4.57.1, `auto_map` naming only the config and model classes),
-`preprocessor_config.json` and `video_preprocessor_config.json` with the published keys, bfloat16 weights under their
-published names in a sharded safetensors layout (index + one shard), and remote-code stand-ins (`real_layout/`) that
-fail to import under transformers 5.19 where the published files do. Whatever loads it must choose this project's
-code (`mossvl_ascend.checkpoint_code`).
+`tiny-real-layout` is tiny-realtime's model (with the plain chat template) in the published checkpoints' layout
+(OpenMOSS-Team/MOSS-VL-Realtime, 0708 line): config.json in the transformers 4.57 form (`rope_scaling` with
+`rope_theta` beside it, `vision_seq_pad_multiple`, `transformers_version` 4.57.1, `auto_map` naming only the config
+and model classes), `preprocessor_config.json` and `video_preprocessor_config.json` with the published keys, bfloat16
+weights under their published names in a sharded safetensors layout (index + one shard), and remote-code stand-ins
+(`real_layout/`) that fail to import under transformers 5.19 where the published files do. Whatever loads it must
+choose this project's code (`mossvl_ascend.checkpoint_code`).
 """
 
 import argparse
@@ -178,8 +178,9 @@ PRESETS["tiny-realtime"] = {
 # The bench preset as a realtime checkpoint (benchmarks/bench_realtime.py): without the scaled <|silence|> row its
 # random weights almost never say <|silence|>, and a served turn that reaches its token limit ends the session.
 # tiny-realtime's model in the published checkpoints' file layout (see the docstring). The processor budgets are
-# the tiny preset's, under the published keys.
-PRESETS["tiny-real-layout"] = {**PRESETS["tiny-realtime"], "layout": "real"}
+# the tiny preset's, under the published keys; the chat template is the plain one, which sglang's "moss-vl"
+# conversation template renders alike for an OpenAI chat (realtime sessions bring their own system prompt).
+PRESETS["tiny-real-layout"] = {**PRESETS["tiny-realtime"], "chat_template": CHAT_TEMPLATE, "layout": "real"}
 PRESETS["bench-realtime"] = {
     **PRESETS["bench"],
     "chat_template": REALTIME_CHAT_TEMPLATE,
