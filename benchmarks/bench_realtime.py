@@ -302,10 +302,26 @@ def engine_run(server: SglangServer, args, count: int, fps: float, frames: int) 
             if processed is not None:
                 text = next((r for r in client.events[processed:] if r.event["type"] == "response.text.delta"), None)
                 ttft = text.at - client.events[accepted].at if text else None
+                if args.trace:
+                    log_ttft_trace(client, accepted, text, fps)
         run.add_session(latencies, lags, ttft)
     run.peak_mib = server_peak_mib(server)
     run.elsewhere = cores_elsewhere(before, cpu_snapshot(server))
     return run
+
+
+def log_ttft_trace(client: RealtimeClient, accepted: int, text, fps: float) -> None:
+    """Where the time to first text goes: every event from the frame before the prompt to the first text piece of its
+    turn, in ms from the prompt's ``input.prompt.accepted``."""
+    start = client.events[accepted].at
+    first = max(0, accepted - 2)
+    last = client.events.index(text) if text is not None else len(client.events) - 1
+    lines = []
+    for received_event in client.events[first : last + 1]:
+        event = received_event.event
+        detail = " ".join(f"{k}={event[k]!r}" for k in ("seq_no", "turn_id", "next_turn_id", "delta") if k in event)
+        lines.append(f"  {1e3 * (received_event.at - start):+8.1f} ms  {event['type']} {detail}")
+    logger.info("TTFT trace at %g fps (ms from the prompt's accepted):\n%s", fps, "\n".join(lines))
 
 
 def server_peak_mib(server: SglangServer) -> float:
@@ -416,6 +432,9 @@ def main(argv=None) -> int:
         type=int,
         default=64,
         help="input_queue_capacity of each served session (default 64: the server never holds a push back)",
+    )
+    parser.add_argument(
+        "--trace", action="store_true", help="log each run's events from the prompt to its first text (TTFT trace)"
     )
     args = parser.parse_args(argv)
     if args.quick:
