@@ -19,7 +19,6 @@ The per-rank plugin line (``mossvl_ascend.patches.rank_report``) proves the hook
 from __future__ import annotations
 
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -48,8 +47,6 @@ RANK_LINE = re.compile(r"mossvl_ascend active in scheduler pid \d+: tp_rank=(\d+
 # sglang prefixes each scheduler's log lines with its ranks, e.g. "[2026-11-30 23:58:51 DP1] Prefill batch, ..."
 PREFILL_LINE = re.compile(r"^\[[^\]]*?(?: DP(\d+))?(?: TP\d+)?\] Prefill batch", re.MULTILINE)
 
-STARTUP_SECONDS: dict[str, float] = {}
-
 
 @pytest.fixture(scope="module")
 def references():
@@ -66,7 +63,6 @@ def served(request, references):
     name = request.param
     preset, args, ranks = CONFIGURATIONS[name]
     with SglangServer(build_or_reuse(preset), extra_args=BASE_ARGS + args, name=f"test-multirank-{name}") as server:
-        STARTUP_SECONDS[name] = server.startup_seconds
         client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=300)
         yield {
             "name": name,
@@ -76,19 +72,6 @@ def served(request, references):
             "expected": references[preset],
             "ranks": ranks,
         }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report_times(request):
-    """Write start-up time per configuration and the module's wall time to the terminal (watch the CI budget)."""
-    started = time.monotonic()
-    yield
-    summary = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in STARTUP_SECONDS.items()) or "none started"
-    plugins = request.config.pluginmanager
-    terminal = plugins.get_plugin("terminalreporter")
-    with plugins.get_plugin("capturemanager").global_and_fixture_disabled():
-        terminal.ensure_newline()
-        terminal.write_line(f"multi-rank servers start-up: {summary}; module total {time.monotonic() - started:.1f} s")
 
 
 @pytest.mark.parametrize("args,ranks", [
