@@ -2,6 +2,12 @@
 
     python realtime_inference/replay_proactive_videoqa.py --checkpoint CKPT \\
         --input data/web-1_sec_per_frame-frame_input_format.json --output pred.jsonl
+    python realtime_inference/replay_proactive_videoqa.py --server http://127.0.0.1:30000 --concurrency 8 \\
+        --input data/web-1_sec_per_frame-frame_input_format.json --output pred.jsonl
+
+``--checkpoint`` drives the transformers stream in this process, one sample at a time. ``--server`` drives a server's
+realtime WebSocket (``WS /v1/realtime?model=NAME``, the path smg relays, so the URL may be a worker's or the gateway's;
+``--path /v1/video/realtime`` for a server without it), ``--concurrency`` samples at once, each its own session.
 
 Input: a JSON list of samples ``{question_id, conversation: [turn, ...]}``; a turn has a ``role`` (system, user,
 assistant) and ``content``, a string or a list of parts (``{"type": "text", "text"}``, ``{"type": "image",
@@ -14,11 +20,13 @@ order at their times (frame i of the sample at i x seconds per frame); its text 
 turn's last frame, attached to that frame like a subtitle, or at the current time when the turn has no frame.
 Assistant turns are gold answers and are not sent; ``skip_inference`` and ``must_reply`` are ignored, because the
 stream itself decides when to speak. After every push the client waits until the stream has taken it in and has
-nothing more to say (the session's ``wait_until_parked``; for a checkpoint without it, --settle-seconds).
+nothing more to say (the session's ``wait_until_parked``, for a checkpoint without it --settle-seconds; served: the
+input's ``processed`` event, then the end of the turn it started).
 
 Output, one line per finished sample (appended, so an interrupted run resumes; a sample already in the file is
-skipped): ``{question_id, model_response_list: [{role, content, time}]}`` with the user turns' text and every
-model reply, a reply timed at the newest frame pushed when it began. A sample that fails is written to
+skipped; served, lines come in the order samples finish): ``{question_id, model_response_list: [{role, content,
+time}]}`` with the user turns' text and every model reply (its text decoded whole), a reply timed at the newest frame
+pushed when it began. A sample that fails is written to
 ``<output>.errors.jsonl`` (``{question_id, error}``) and retried by the next run. Scoring (PAUC) needs an LLM judge
 and is not done here.
 """
@@ -26,11 +34,14 @@ and is not done here.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import re
 import sys
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -123,12 +134,49 @@ def settle(session: Any, settle_seconds: float, timeout: float) -> None:
         raise TimeoutError(f"the stream did not settle within {timeout:g} s")
 
 
-def replay_sample(model: Any, processor: Any, sample: dict, options: argparse.Namespace) -> dict:
-    """One sample through one fresh session -> its pred.jsonl record."""
+@dataclass
+class Push:
+    """One input of a sample's stream: a frame (with the turn's text on its last frame), or text with no frame."""
+
+    time: float
+    frame: Optional[str]
+    text: str
+
+
+def sample_plan(sample: dict, sec_per_frame: float) -> tuple[Optional[str], list[Push], list[dict]]:
+    """(system prompt, the pushes in order, the user turns' records) of one sample."""
     conversation = list(sample["conversation"])
     system_prompt = None
     if conversation and conversation[0].get("role") == "system":
         system_prompt = turn_parts(conversation.pop(0))[0] or None
+    pushes: list[Push] = []
+    records: list[dict] = []
+    frame_index, now = 0, 0.0
+    for turn in conversation:
+        if turn.get("role") != "user":
+            continue
+        text, frames = turn_parts(turn)
+        for position, frame in enumerate(frames):
+            now = frame_index * sec_per_frame
+            frame_index += 1
+            pushes.append(Push(now, frame, text if position == len(frames) - 1 else ""))
+        if text and not frames:
+            pushes.append(Push(now, None, text))
+        if text:
+            records.append({"role": "user", "content": text, "time": now})
+    return system_prompt, pushes, records
+
+
+def sample_record(sample: dict, records: list[dict], replies: list[dict]) -> dict:
+    return {
+        "question_id": sample["question_id"],
+        "model_response_list": sorted(records + replies, key=lambda t: t["time"]),
+    }
+
+
+def replay_sample(model: Any, processor: Any, sample: dict, options: argparse.Namespace) -> dict:
+    """One sample through one fresh transformers session -> its pred.jsonl record."""
+    system_prompt, pushes, records = sample_plan(sample, options.sec_per_frame)
     session = model.create_realtime_session(
         processor,
         system_prompt=system_prompt,
@@ -137,35 +185,86 @@ def replay_sample(model: Any, processor: Any, sample: dict, options: argparse.Na
     )
     session.start()
     collector = ReplyCollector(session)
-    records: list[dict] = []
-    frame_index, now = 0, 0.0
     try:
         settle(session, options.settle_seconds, options.timeout_seconds)
-        for turn in conversation:
-            if turn.get("role") != "user":
-                continue
-            text, frames = turn_parts(turn)
-            images = [load_frame(path, options.media_root) for path in frames]
-            for position, image in enumerate(images):
-                now = frame_index * options.sec_per_frame
-                frame_index += 1
-                if text and position == len(images) - 1:
-                    session.push_prompt_frame(text, image, now)
-                else:
-                    session.push_frame(image, now)
-                collector.collect(now)
-                settle(session, options.settle_seconds, options.timeout_seconds)
-            if text and not images:
-                session.push_prompt(text)
-                settle(session, options.settle_seconds, options.timeout_seconds)
-            if text:
-                records.append({"role": "user", "content": text, "time": now})
-            collector.collect(now)
+        collector.collect(0.0)
+        for push in pushes:
+            if push.frame is None:
+                session.push_prompt(push.text)
+            elif push.text:
+                session.push_prompt_frame(push.text, load_frame(push.frame, options.media_root), push.time)
+            else:
+                session.push_frame(load_frame(push.frame, options.media_root), push.time)
+            settle(session, options.settle_seconds, options.timeout_seconds)
+            collector.collect(push.time)  # what the push made the stream say began while it was the newest input
     finally:
         session.close(options.timeout_seconds)
-    collector.collect(now)
-    responses = sorted(records + collector.finished(), key=lambda turn: turn["time"])
-    return {"question_id": sample["question_id"], "model_response_list": responses}
+    collector.collect(pushes[-1].time if pushes else 0.0)
+    return sample_record(sample, records, collector.finished())
+
+
+class ServedReplies:
+    """Replies from a served session's events: the text deltas of a turn (a turn ends at its silence or when a
+    prompt interrupts it), timed like :class:`ReplyCollector`'s."""
+
+    def __init__(self, client: Any):
+        self.client, self.seen = client, 0
+        self.replies: list[dict] = []
+        self.current: Optional[dict] = None
+
+    def collect(self, now: float) -> None:
+        events = [received.event for received in self.client.events[self.seen :]]
+        self.seen += len(events)
+        for event in events:
+            kind = event["type"]
+            if kind == "error":
+                raise RuntimeError(f"server error {event.get('code')}: {event.get('message')}")
+            if kind in ("response.turn.silence", "response.turn.interrupted", "response.done"):
+                self.current = None
+            elif kind == "response.text.delta":
+                text = CONTROL_PIECE.sub("", event["delta"])
+                if not text:
+                    continue
+                if self.current is None:
+                    self.current = {"role": "assistant", "content": "", "time": now}
+                    self.replies.append(self.current)
+                self.current["content"] += text
+
+    def finished(self) -> list[dict]:
+        for reply in self.replies:
+            reply["content"] = reply["content"].strip()
+        return [reply for reply in self.replies if reply["content"]]
+
+
+async def replay_sample_served(url: str, sample: dict, options: argparse.Namespace) -> dict:
+    """One sample through one fresh session of the server's realtime socket -> its pred.jsonl record."""
+    from serving.realtime_client import RealtimeClient
+
+    system_prompt, pushes, records = sample_plan(sample, options.sec_per_frame)
+    headers = {"Authorization": f"Bearer {options.api_key or 'none'}"}  # smg relays only a client with one
+    client = RealtimeClient(url, headers=headers)
+    replies = ServedReplies(client)
+    configure = {"max_new_tokens": options.max_new_tokens, "temperature": 0.0}
+    if system_prompt:
+        configure["system_prompt"] = system_prompt
+    if options.max_tokens_per_second:
+        configure["max_tokens_per_turn"] = options.max_tokens_per_second
+    try:
+        await client.open(**configure)
+        await client.settle(timeout=options.timeout_seconds)
+        replies.collect(0.0)
+        for push in pushes:
+            if push.frame is None:
+                seq_no = await client.prompt(push.text)
+            else:
+                image = load_frame(push.frame, options.media_root)
+                seq_no = await client.frame(image, push.time, prompt=push.text or None)
+            await client.settle(seq_no, timeout=options.timeout_seconds)
+            replies.collect(push.time)
+    finally:
+        await client.close()
+    replies.collect(pushes[-1].time if pushes else 0.0)
+    return sample_record(sample, records, replies.finished())
 
 
 def finished_question_ids(output: Path) -> set:
@@ -174,34 +273,93 @@ def finished_question_ids(output: Path) -> set:
     return {json.loads(line)["question_id"] for line in output.read_text(encoding="utf-8").splitlines() if line}
 
 
+class Output:
+    """pred.jsonl (appended, one line per finished sample) and its errors file, with the run's counts."""
+
+    def __init__(self, output: Path):
+        self.finished = finished_question_ids(output)
+        self.out = output.open("a", encoding="utf-8")
+        self.errors = output.with_name(output.name + ".errors.jsonl").open("a", encoding="utf-8")
+        self.counts = {"done": 0, "skipped": 0, "failed": 0}
+
+    def pending(self, samples: list[dict]) -> list[dict]:
+        todo = [sample for sample in samples if sample["question_id"] not in self.finished]
+        self.counts["skipped"] = len(samples) - len(todo)
+        return todo
+
+    def record(self, record: dict) -> None:
+        self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.out.flush()
+        self.counts["done"] += 1
+
+    def failure(self, sample: dict, error: BaseException) -> None:
+        """One bad sample must not stop the others; it is retried by the next run."""
+        logger.error("sample %s failed: %s: %s", sample["question_id"], type(error).__name__, error)
+        self.errors.write(json.dumps({"question_id": sample["question_id"], "error": f"{error}"}) + "\n")
+        self.errors.flush()
+        self.counts["failed"] += 1
+
+    def close(self) -> dict:
+        self.out.close()
+        self.errors.close()
+        return self.counts
+
+
 def replay_file(model: Any, processor: Any, options: argparse.Namespace) -> dict:
-    """Every sample of --input not yet in --output -> {done, skipped, failed} counts."""
-    samples = json.loads(options.input.read_text(encoding="utf-8"))
-    finished = finished_question_ids(options.output)
-    errors_path = options.output.with_name(options.output.name + ".errors.jsonl")
-    counts = {"done": 0, "skipped": 0, "failed": 0}
-    with options.output.open("a", encoding="utf-8") as out, errors_path.open("a", encoding="utf-8") as errors:
-        for sample in tqdm(samples, desc="samples", unit="sample"):
-            if sample["question_id"] in finished:
-                counts["skipped"] += 1
-                continue
-            try:
-                record = replay_sample(model, processor, sample, options)
-            except Exception as error:  # one bad sample must not stop the others; it is retried next run
-                logger.error("sample %s failed: %s: %s", sample["question_id"], type(error).__name__, error)
-                errors.write(json.dumps({"question_id": sample["question_id"], "error": f"{error}"}) + "\n")
-                errors.flush()
-                counts["failed"] += 1
-                continue
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            out.flush()
-            counts["done"] += 1
-    return counts
+    """Every sample of --input not yet in --output, through the transformers stream -> {done, skipped, failed}."""
+    output = Output(options.output)
+    for sample in tqdm(output.pending(json.loads(options.input.read_text(encoding="utf-8"))), desc="samples"):
+        try:
+            output.record(replay_sample(model, processor, sample, options))
+        except Exception as error:
+            output.failure(sample, error)
+    return output.close()
+
+
+def served_model_name(base_url: str) -> str:
+    with urllib.request.urlopen(f"{base_url.rstrip('/')}/v1/models", timeout=60) as response:
+        return json.loads(response.read())["data"][0]["id"]
+
+
+def replay_file_served(options: argparse.Namespace) -> dict:
+    """Every sample of --input not yet in --output through --server, --concurrency sessions at once."""
+    from serving.realtime_client import realtime_url
+
+    url = realtime_url(options.server, options.path, model=options.model or served_model_name(options.server))
+    output = Output(options.output)
+    todo = output.pending(json.loads(options.input.read_text(encoding="utf-8")))
+
+    async def run_all() -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        for sample in todo:
+            queue.put_nowait(sample)
+        progress = tqdm(total=len(todo), desc="samples")
+
+        async def stream_worker() -> None:
+            while not queue.empty():
+                sample = queue.get_nowait()
+                try:
+                    output.record(await replay_sample_served(url, sample, options))
+                except Exception as error:
+                    output.failure(sample, error)
+                progress.update()
+
+        await asyncio.gather(*(stream_worker() for _ in range(options.concurrency)))
+        progress.close()
+
+    asyncio.run(run_all())
+    return output.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", type=Path, required=True, help="MOSS-VL realtime checkpoint directory")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path, help="MOSS-VL realtime checkpoint: the transformers stream here")
+    source.add_argument("--server", help="http://HOST:PORT of a server or of smg in front of servers")
+    parser.add_argument("--path", default="/v1/realtime", help="served: the socket's path (default /v1/realtime)")
+    parser.add_argument("--model", default=None, help="served: the model name (default: the server's first)")
+    parser.add_argument("--api-key", default=None, help="served: sent as Authorization: Bearer KEY")
+    parser.add_argument("--concurrency", type=int, default=1, help="served: sessions at once (default 1)")
     parser.add_argument("--input", type=Path, required=True, help="a ProactiveVideoQA *-frame_input_format.json")
     parser.add_argument("--output", type=Path, required=True, help="pred.jsonl to append to (resumed when present)")
     parser.add_argument(
@@ -246,18 +404,21 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             args.sec_per_frame = sec_per_frame_from_name(args.input)
         except ValueError as error:
             parser.error(str(error))
-    if args.sec_per_frame <= 0 or args.max_new_tokens <= 0 or args.timeout_seconds <= 0:
-        parser.error("--sec-per-frame, --max-new-tokens and --timeout-seconds must be positive")
+    if min(args.sec_per_frame, args.max_new_tokens, args.timeout_seconds, args.concurrency) <= 0:
+        parser.error("--sec-per-frame, --max-new-tokens, --timeout-seconds and --concurrency must be positive")
     return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from inference.model_loading import load_model  # torch/transformers only once the arguments are good
+    if args.server:
+        counts = replay_file_served(args)
+    else:
+        from inference.model_loading import load_model  # torch/transformers only once the arguments are good
 
-    model, processor, _ = load_model(args.checkpoint, args.device_map, args.dtype, args.attention_backend)
-    counts = replay_file(model, processor, args)
+        model, processor, _ = load_model(args.checkpoint, args.device_map, args.dtype, args.attention_backend)
+        counts = replay_file(model, processor, args)
     logger.info("%(done)d samples replayed, %(skipped)d already done, %(failed)d failed", counts)
     return 1 if counts["failed"] else 0
 
