@@ -44,8 +44,8 @@ from moss_vl_reference.queries_moss_vl import (  # noqa: E402
     ROUND_END,
     ROUND_START,
     STOP_OFFLINE_GENERATE,
+    _resolve_path,
     normalize_query,
-    resolve_query_media_paths,
 )
 from mossvl_ascend import checkpoint_code  # noqa: E402
 
@@ -73,6 +73,50 @@ def load_queries(path: Path) -> list[Any]:
     if not isinstance(data, list):
         raise ValueError(f"{path}: a .json query file must hold a list of queries, got {type(data).__name__}")
     return data
+
+
+def _resolved_reference(value: Any, base_dir: Path) -> Any:
+    """A media reference with a local path made absolute: a path or URL string, ``{"url": ...}``, or a video object
+    with ``video_path``."""
+    if isinstance(value, dict):
+        key = "url" if "url" in value else "video_path" if "video_path" in value else None
+        return {**value, key: _resolve_path(value[key], base_dir)} if key else value
+    return _resolve_path(value, base_dir)
+
+
+def _resolved_part(part: Any, base_dir: Path) -> Any:
+    if not isinstance(part, dict):
+        return part
+    for media in ("image", "video"):
+        if part.get("type") in (media, f"{media}_url"):
+            resolved = {**part, "type": media}  # upstream normalises the type and keeps the key it was given
+            for key in (media, f"{media}_url"):
+                if key in resolved:
+                    resolved[key] = _resolved_reference(resolved[key], base_dir)
+            return resolved
+    return part
+
+
+def resolve_query_media_paths(query: Any, base_dir: Path) -> Any:
+    """Upstream's interface: a copy of a query as the user wrote it (any accepted form) whose local media paths are
+    absolute, relative ones taken from ``base_dir`` (the query file's folder); ``http(s)://`` and ``data:`` references
+    are kept. In messages an ``image_url`` / ``video_url`` part becomes an ``image`` / ``video`` part that keeps the
+    key it was given; top-level ``images`` and ``videos`` are resolved too."""
+    if not isinstance(query, dict):
+        return query  # normalisation names the problem
+    resolved = dict(query)
+    for kind in ("images", "videos"):
+        if isinstance(query.get(kind), list):
+            resolved[kind] = [_resolved_reference(value, base_dir) for value in query[kind]]
+    for key in ("messages", "conversations"):
+        if isinstance(query.get(key), list):
+            resolved[key] = [
+                {**message, "content": [_resolved_part(part, base_dir) for part in message["content"]]}
+                if isinstance(message, dict) and isinstance(message.get("content"), list)
+                else message
+                for message in query[key]
+            ]
+    return resolved
 
 
 # -------------------------------------------------------------------------------------- generation
@@ -143,7 +187,7 @@ def run_queries(model: Any, processor: Any, raw_queries: list, base_dir: Path, t
         started = time.perf_counter()
         result: dict[str, Any] = {"index": index}
         try:
-            query = resolve_query_media_paths(normalize_query(raw, GENERATE_DEFAULTS), base_dir)
+            query = normalize_query(resolve_query_media_paths(raw, base_dir), GENERATE_DEFAULTS)
             result.update(query)
             result.update(query_summary(query))
             result["text"], result["event_count"] = generate_one(model, processor, query, timeout_seconds)

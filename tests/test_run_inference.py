@@ -166,6 +166,70 @@ def test_media_paths_resolve_against_the_query_folder(tmp_path):
     assert query["messages"][0]["content"][0] == image("sub/a.png"), "the input query must not be modified"
 
 
+# Upstream's interface, from its own test (OpenMOSS/MOSS-VL inference/tests/test_run_inference.py,
+# ResolveQueryMediaPathsTest at 859d7ab1): run_inference.resolve_query_media_paths takes a query as written.
+UPSTREAM_REMOTE = "https://example.com/images/sample.jpg?size=large"
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (  # an image_url part becomes an image part and keeps its key
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": UPSTREAM_REMOTE}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "image", "image_url": UPSTREAM_REMOTE}]}]},
+        ),
+        (  # remote references with a query string are kept, top-level and in both keys
+            {
+                "images": [UPSTREAM_REMOTE],
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "image": UPSTREAM_REMOTE},
+                            {"type": "image", "image_url": UPSTREAM_REMOTE},
+                        ],
+                    }
+                ],
+            },
+            None,  # unchanged
+        ),
+    ],
+)
+def test_upstream_resolve_query_media_paths_on_queries_as_written(raw, expected):
+    resolved = run_inference.resolve_query_media_paths(raw, Path("/tmp/queries"))
+    assert resolved == (expected or raw)
+
+
+def test_upstream_resolve_query_media_paths_resolves_local_references_everywhere():
+    base_dir = Path("/tmp/queries")
+    raw = {
+        "images": ["images/relative.jpg", "/data/images/absolute.jpg"],
+        "videos": [{"video_path": "clips/v.mp4", "segments": [[0, 1]]}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": "images/inline.jpg"},
+                    {"type": "image", "image_url": "images/url-field.jpg"},
+                    {"type": "image_url", "image_url": {"url": "images/wrapped.jpg"}},
+                    {"type": "video_url", "video_url": "clips/w.mp4"},
+                ],
+            }
+        ],
+    }
+    resolved = run_inference.resolve_query_media_paths(raw, base_dir)
+    local = lambda rel: str((base_dir / rel).resolve())  # noqa: E731
+    assert resolved["images"] == [local("images/relative.jpg"), "/data/images/absolute.jpg"]
+    assert resolved["videos"] == [{"video_path": local("clips/v.mp4"), "segments": [[0, 1]]}]
+    assert resolved["messages"][0]["content"] == [
+        {"type": "image", "image": local("images/inline.jpg")},
+        {"type": "image", "image_url": local("images/url-field.jpg")},
+        {"type": "image", "image_url": {"url": local("images/wrapped.jpg")}},
+        {"type": "video", "video_url": local("clips/w.mp4")},
+    ]
+    assert raw["images"][0] == "images/relative.jpg", "the input query must not be modified"
+
+
 def test_the_queries_module_loads_without_torch():
     """The runners' query checks and the demo's data URLs must not pay for importing torch."""
     code = "import sys, moss_vl_reference.queries_moss_vl; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
