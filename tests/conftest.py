@@ -42,6 +42,8 @@ from support.suite_timings import SuiteTimings  # noqa: E402
 # served), the test functions that start one themselves, or "*" (every test of the module).
 SERVED_WITHOUT_POOL = {
     "test_bench_realtime.py": "*",  # benchmarks/bench_realtime.py --quick serves the tiny-realtime model
+    "test_fleet.py": {"fleet"},  # workers behind sglang's gateway (serving/fleet.py)
+    "test_launch.py": {"test_tp2_over_two_nodes_spelled_tp_serves_the_reference_tokens_at_page_128"},
     "test_npu_route_served.py": {"served"},
     "test_run_online_inference.py": {"test_serve_on_loopback_with_uvicorn"},  # the runner's --serve
     "test_serving_bf16.py": {"served"},
