@@ -125,3 +125,29 @@ def test_the_plugin_wheel_ships_every_module(tmp_path):
     shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
     source = {path.relative_to(plugin).as_posix() for path in (plugin / "mossvl_ascend").rglob("*.py")}
     assert source <= shipped, sorted(source - shipped)
+    # the MOSS-VL processor (our checkpoints' remote code and the fallback for published ones) ships in it
+    assert "mossvl_ascend/processor/__init__.py" in shipped and "mossvl_ascend/processor/video.py" in shipped
+
+
+# Run in a fresh interpreter: decode a video, then name any of these modules that got imported.
+PROCESSOR_ALONE = """
+import sys
+from mossvl_ascend.processor import MossVLImageProcessor
+media = MossVLImageProcessor(video_size={"shortest_edge": 1024, "longest_edge": 4096})
+(patches, grid), = media.videos(media.sample_videos([sys.argv[1]]))
+print(grid, sorted({m.split(".")[0] for m in sys.modules} & {"torchcodec", "joblib", "sglang"}))
+"""
+
+
+def test_the_processor_decodes_video_with_pyav_alone():
+    """The processor needs neither torchcodec nor joblib (the published checkpoints' video code imports both) nor
+    sglang; ``av`` is pinned for it in the NPU closure."""
+    assert canonicalize_name("av") in read_requirements(REPO_ROOT / "requirements-npu.txt")
+    video = REPO_ROOT / "tests" / "assets" / "moving_square_3s.mp4"
+    env = {"PYTHONPATH": str(REPO_ROOT / "sglang"), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-c", PROCESSOR_ALONE, str(video)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    # 3 frames at 1 fps, 48x64 -> 32x32 (no video_max_pixels: the whole volume capped at 4096), nothing imported
+    assert result.stdout.split() == ["[3,", "2,", "2]", "[]"]
