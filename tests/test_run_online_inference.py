@@ -292,6 +292,21 @@ def service():
     return make
 
 
+def test_defaults_without_newer_attributes_are_accepted_as_upstream_builds_them():
+    """Upstream's service tests build the defaults namespace without ``frame_window_seconds`` (an attribute this
+    runner added later): a start message then opens a session without a frame window."""
+    defaults = service_defaults()
+    del defaults.frame_window_seconds
+    model = RecordingModel()
+    app = online.create_service_app(model, processor=object(), defaults=defaults)
+    with TestClient(app) as client, client.websocket_connect("/v1/realtime") as ws:
+        ws.send_json({"type": "start", "prompt": "hello"})
+        assert ws.receive_json() == {"type": "ready"}
+        ws.send_json({"type": "stop"})
+        receive_until(ws, "session_end")
+    assert "frame_window_seconds" not in model.created_with[0]
+
+
 def test_session_streams_output_and_drains_before_session_end(service):
     model, client = service()
     with client, client.websocket_connect("/v1/realtime") as ws:
