@@ -89,6 +89,8 @@ class Lease:
     log_offset: int
 
     def __getattr__(self, name):
+        if name == "server":  # not set yet (an object being copied): no recursion
+            raise AttributeError(name)
         return getattr(self.server, name)
 
     def log_text(self) -> str:
