@@ -105,3 +105,21 @@ def test_realtime_preset_is_the_tiny_model_with_its_template_and_a_scaled_silenc
     assert plain.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_a_change_to_the_processor_package_rebuilds_every_checkpoint(tmp_path, monkeypatch):
+    """The reference checkpoints' remote processor re-exports mossvl_ascend.processor: its sources are part of every
+    build's fingerprint, so a checkpoint in build/ never ships a stale processor."""
+    package = tiny_checkpoint.PROCESSOR_PACKAGE_DIR
+    sources = sorted(package.glob("*.py"))
+    assert sources and set(sources) <= set(tiny_checkpoint.source_files())
+    copy = tmp_path / "processor"
+    copy.mkdir()
+    for source in sources:
+        (copy / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(tiny_checkpoint, "PROCESSOR_PACKAGE_DIR", copy)
+    before = {preset: tiny_checkpoint.source_fingerprint(preset, 0) for preset in ("tiny", "tiny-real-layout")}
+    edited = copy / sources[0].name
+    edited.write_bytes(edited.read_bytes() + b"\n# edited\n")
+    after = {preset: tiny_checkpoint.source_fingerprint(preset, 0) for preset in before}
+    assert all(before[preset] != after[preset] for preset in before)
