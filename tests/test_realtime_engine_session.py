@@ -122,11 +122,19 @@ def test_the_scheduler_hook_finishes_a_running_step_after_its_next_token():
     rid = step_rid("s1", 3)
     running = SimpleNamespace(rid=rid, output_ids=[5, 6], finished=lambda: False, to_finish=None)
     other = SimpleNamespace(rid=step_rid("s2", 1), output_ids=[5], finished=lambda: False, to_finish=None)
-    scheduler = SimpleNamespace(running_batch=SimpleNamespace(reqs=[running, other]))
+    # A step whose first token just came back is in the last (prefill) batch, not yet merged into the running one.
+    prefilled = SimpleNamespace(rid=step_rid("s3", 1), output_ids=[7], finished=lambda: False, to_finish=None)
+    running_batch, last_batch = SimpleNamespace(reqs=[running, other]), SimpleNamespace(reqs=[prefilled])
+    # Stock's Scheduler.collect_inflight_reqs (pp_size 1): the requests of the running and the last batch (a set).
+    scheduler = SimpleNamespace(collect_inflight_reqs=lambda: [*running_batch.reqs, *last_batch.reqs])
     stock = []
     interrupt_step(lambda s, r: stock.append(r), scheduler, AbortReq(rid=rid, abort_message=INTERRUPT_MESSAGE))
     assert isinstance(running.to_finish, FINISH_LENGTH) and running.to_finish.length == 3
     assert other.to_finish is None and not stock
+    interrupt_step(
+        lambda s, r: stock.append(r), scheduler, AbortReq(rid=prefilled.rid, abort_message=INTERRUPT_MESSAGE)
+    )
+    assert isinstance(prefilled.to_finish, FINISH_LENGTH) and prefilled.to_finish.length == 2
     plain = AbortReq(rid=rid)
     interrupt_step(lambda s, r: stock.append(r), scheduler, plain)
     assert stock == [plain], "an ordinary abort is stock's"

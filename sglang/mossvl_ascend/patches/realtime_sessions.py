@@ -626,7 +626,10 @@ def interrupt_step(original: Callable, scheduler, recv_req, *args: Any, **kwargs
         return original(scheduler, recv_req, *args, **kwargs)
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 
-    for req in scheduler.running_batch.reqs:
+    # In flight as stock's abort sees it: the running batch AND the last batch. A step whose first token just came
+    # back is still in the last (prefill) batch until the next pass merges it; looking in the running batch alone
+    # lost that interrupt, and the step decoded on to its silence or allowance (the prompt's time to first text).
+    for req in scheduler.collect_inflight_reqs():
         if req.rid == recv_req.rid and req.output_ids and not req.finished():
             req.to_finish = FINISH_LENGTH(length=len(req.output_ids) + 1)
             logger.info("realtime step %s interrupted after %d tokens", req.rid, len(req.output_ids))
