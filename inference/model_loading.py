@@ -85,6 +85,11 @@ def load_ours(checkpoint: Path | str, model_kwargs: dict) -> tuple[Any, Any]:
     from moss_vl_reference.modeling_moss_vl import MossVLForConditionalGeneration
     from mossvl_ascend.processor import MossVLProcessor
 
+    if not (Path(checkpoint) / "preprocessor_config.json").is_file():
+        raise ValueError(
+            f"{checkpoint} has no preprocessor_config.json, the published processor file this project's processor "
+            "reads; a checkpoint built by this project ships this project's code as its own: load it with auto"
+        )
     kwargs = {key: value for key, value in model_kwargs.items() if key != "trust_remote_code"}
     config = MossVLConfig.from_pretrained(checkpoint)
     model = MossVLForConditionalGeneration.from_pretrained(checkpoint, config=config, **kwargs)

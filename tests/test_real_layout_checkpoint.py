@@ -271,6 +271,13 @@ def test_run_inference_forcing_the_checkpoints_code_is_a_clear_error(real_layout
     assert not (tmp_path / "r.json").exists()
 
 
+def test_forcing_ours_on_a_checkpoint_without_the_published_processor_files_is_a_clear_error():
+    from inference import model_loading
+
+    with pytest.raises(ValueError, match="has no preprocessor_config.json"):
+        model_loading.load_model(build_or_reuse("tiny"), device="cpu", remote_code="ours")
+
+
 def test_realtime_runner_drives_our_session_on_the_real_layout(real_layout, oracle):
     """run_online_inference loads our reference model (its session API) for the real layout; the session's tokens
     equal the oracle model's session on the same inputs (pushed before the stream starts, so both streams see the
