@@ -213,6 +213,18 @@ def test_the_plugin_hook_gives_sglang_our_processor_and_passes_others_through(re
     assert calls == [(str(other),)]
 
 
+def test_the_plugin_hook_forced_to_the_checkpoints_code_logs_the_version_it_needs(real_layout, monkeypatch, caplog):
+    from sglang.srt.utils.hf_transformers import processor as stock
+
+    from mossvl_ascend.patches.checkpoint_processor import processor_for_checkpoint
+
+    monkeypatch.setenv(checkpoint_code.ENV_VAR, "checkpoint")
+    path = str(real_layout)
+    with caplog.at_level(logging.ERROR), pytest.raises(checkpoint_code.CheckpointCodeUnloadable):
+        processor_for_checkpoint(stock.get_processor, path, trust_remote_code=True, model_name=path)
+    assert any("needs transformers 4.57.1" in record.getMessage() for record in caplog.records)
+
+
 # ------------------------------------------------------------------------------------------ the runners
 
 
