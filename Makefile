@@ -72,6 +72,9 @@ POLICY ?= cache_aware
 serve-fleet: setup ## WORKERS= CPU workers (one core share each) behind smg on 127.0.0.1:$(PORT) (POLICY=cache_aware|round_robin, ARGS= to every worker); Ctrl-C stops all
 	$(PY) -m serving.fleet --model-path $(MODEL) --device $(DEVICE) --port $(PORT) --workers $(WORKERS) --policy $(POLICY) $(ARGS)
 
+bench-fleet: setup ## 1 vs 2 CPU workers behind smg: image chat req/s, realtime sessions at 1 fps, cache_aware vs round_robin cached tokens, ejection (~5 min)
+	$(CPU_ENV) $(PY) benchmarks/bench_fleet.py $(ARGS)
+
 bench-realtime-engine: setup ## realtime sessions served by sglang (1-8 sessions, 1 and 2 fps) beside the transformers session
 	$(CPU_ENV) $(PY) benchmarks/bench_realtime.py $(ARGS)
 

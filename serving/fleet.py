@@ -59,8 +59,9 @@ class Fleet:
     api_key: str | None = None
     health_interval_s: int = 1
     health_failure_threshold: int = 1
-    # sglang's /health answers in about a second on a busy CPU worker (measured 1.0 s): a 1 s timeout ejects it.
-    health_timeout_s: int = 5
+    # sglang's /health runs a one-token generation: 1.0 s on an idle CPU worker, over 5 s on a loaded one (both
+    # measured; each timeout ejected a live worker). A dead worker refuses the connection at once, whatever this is.
+    health_timeout_s: int = 15
     gateway_port: int | None = None
     name: str = "fleet"
     servers: list[SglangServer] = field(default_factory=list, init=False)
@@ -149,9 +150,15 @@ class Fleet:
             body["api_key"] = self.api_key
         self.request("POST", "/workers", body)
 
-    def deregister(self, worker_url: str) -> None:
+    def deregister(self, worker_url: str, timeout_s: float = 30.0) -> None:
+        """Remove a worker from the gateway (smg removes it in the background: wait until it is gone)."""
         ids = {worker["url"]: worker["id"] for worker in self.request("GET", "/workers")["workers"]}
         self.request("DELETE", f"/workers/{ids[worker_url]}")
+        deadline = time.monotonic() + timeout_s
+        while any(worker["url"] == worker_url for worker in self.request("GET", "/workers")["workers"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"smg still lists {worker_url} {timeout_s:.0f} s after its removal")
+            time.sleep(0.2)
 
     def use_policy(self, policy: str) -> None:
         """A fresh gateway with ``policy`` in front of the same workers (its routing state starts empty)."""
