@@ -204,6 +204,7 @@ def test_batch_is_left_padded_and_visibility_counts_only_own_frames(processor):
         (dict(text="<|video|>", videos=[{"clip": "a.mp4"}]), ValueError, "video_path"),
         (dict(text="<|video|>"), ValueError, "<|video|>"),
         (dict(text="  "), ValueError, "non-empty text"),
+        (dict(text="<|video|>", videos=[str(VIDEO)], media_kwargs={"video_max_pixels": 1}), ValueError, "any frame"),
     ],
 )
 def test_bad_input_names_the_culprit(processor, kwargs, error, culprit):

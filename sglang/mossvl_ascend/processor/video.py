@@ -112,9 +112,15 @@ def decode_clip(path: str) -> DecodedClip:
 
 
 def frame_count(clip: DecodedClip, fps: float, min_frames: int, max_frames: int) -> int:
-    """How many frames the real processor keeps of a whole clip (``calculate_num_frames``)."""
+    """How many frames the real processor keeps of a whole clip (``calculate_num_frames``); none is an error."""
     target = int(math.ceil(clip.duration * fps - 1e-6))
-    return min(max(target, min_frames), max_frames, len(clip.times))
+    count = min(max(target, min_frames), max_frames, len(clip.times))
+    if count <= 0:
+        raise ValueError(
+            f"cannot keep any frame of a video of {len(clip.times)} frames: max_frames is {max_frames} (a total "
+            "video_max_pixels below one frame of size.shortest_edge pixels allows none)"
+        )
+    return count
 
 
 def sample_clip(clip: DecodedClip, count: int, stamps: Optional[Sequence[float]] = None) -> SampledVideo:
