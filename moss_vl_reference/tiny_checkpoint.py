@@ -132,7 +132,12 @@ PRESETS = {
             deepstack_visual_indexes=[0, 1],
         ),
         "bpe_vocab": 768,
-        # Small budgets keep the dense per-frame vision attention of a CPU server in megabytes.
+        # Small budgets keep the dense per-frame vision attention of a CPU server in megabytes. Under the published
+        # keys (real_layout_processor_configs, the processor of every preset): an image at most max_pixels (512x512,
+        # 256 vision tokens), the images of one call sharing twice that; a video frame at most video_max_pixels
+        # (256x256, 64 tokens) and at least 4096 pixels (4 tokens), the frames of a call's videos sharing eight
+        # full frames' pixels. The per-image and per-frame caps are the ones the suite always ran at; the shared
+        # budgets only shrink media when many share a call, so no test encodes more vision tokens than before.
         "processor": dict(max_pixels=512 * 512, video_max_pixels=256 * 256, max_input_pixels=2048 * 2048),
     },
     "bench": {
@@ -331,14 +336,29 @@ def write_checkpoint(directory: Path, preset_name: str, seed: int) -> None:
     save_file(
         seeded_weights(preset, config, tokenizer, seed), str(directory / "model.safetensors"), metadata={"format": "pt"}
     )
-    image_processor = MossVLImageProcessor(**preset["processor"])
-    processor = MossVLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
-    MossVLProcessor.register_for_auto_class("AutoProcessor")
-    MossVLImageProcessor.register_for_auto_class("AutoImageProcessor")
-    processor.save_pretrained(directory)
+    write_processor(directory, preset, tokenizer, chat_template)
     for name in REMOTE_CODE_FILES:
         shutil.copyfile(PACKAGE_DIR / name, directory / name)
     write_generation_config(directory, config)
+
+
+def write_processor(directory: Path, preset: dict, tokenizer, chat_template: str) -> None:
+    """Our layout's processor_config.json: the processor the real-layout files describe (same budgets, same
+    semantics), its auto_map naming the checkpoint's own processing_moss_vl.py. Written by hand, not by
+    register_for_auto_class, which would copy the plugin's modules into the checkpoint and name that copy."""
+    published = real_layout_processor_configs(preset["processor"])
+    image_processor = MossVLImageProcessor.from_real_config_dicts(
+        published["preprocessor_config.json"],
+        published["video_preprocessor_config.json"],
+        max_input_pixels=preset["processor"]["max_input_pixels"],
+    )
+    processor = MossVLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+    processor.save_pretrained(directory)
+    saved = json.loads((directory / "processor_config.json").read_text())
+    entry = {"AutoProcessor": "processing_moss_vl.MossVLProcessor"}
+    saved["auto_map"] = entry
+    saved["image_processor"]["auto_map"] = {**entry, "AutoImageProcessor": "processing_moss_vl.MossVLImageProcessor"}
+    (directory / "processor_config.json").write_text(json.dumps(saved, indent=2) + "\n")
 
 
 # Keys transformers 5 writes into every config dict that a 4.57 config.json does not carry.
