@@ -633,6 +633,23 @@ def visible_frame_counts(cross_attention_mask: Optional[torch.Tensor], input_ids
     return (~cross_attention_mask.bool()).sum(-1).squeeze(1).to(input_ids.device)
 
 
+def referenced_media(
+    pixel_values: torch.Tensor, grid_thw: torch.Tensor, media_nums_per_sample: Optional[list], frame_tokens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, Optional[list]]:
+    """The media of the samples that have ``<|image_pad|>`` tokens. A text-only sample carries the processor's blank
+    frame (counted in its media_nums_per_sample, seen by no row): it contributes no frame, so a batch may mix text-only
+    and media samples. Without media_nums_per_sample every medium is the first sample's and all are kept."""
+    if media_nums_per_sample is None or len(media_nums_per_sample) != len(frame_tokens):
+        return pixel_values, grid_thw, media_nums_per_sample  # encoder_batch says what does not match
+    if all(tokens or not count for tokens, count in zip(frame_tokens, media_nums_per_sample)):
+        return pixel_values, grid_thw, media_nums_per_sample
+    keep_sample = torch.tensor([tokens > 0 for tokens in frame_tokens])
+    keep_media = keep_sample.repeat_interleave(torch.tensor(list(media_nums_per_sample)))
+    keep_rows = keep_media.repeat_interleave(grid_thw.prod(dim=-1).cpu())
+    counts = [count if tokens else 0 for tokens, count in zip(frame_tokens, media_nums_per_sample)]
+    return pixel_values[keep_rows.to(pixel_values.device)], grid_thw[keep_media.to(grid_thw.device)], counts
+
+
 # ----------------------------------------------------------------------------- cache and outputs
 
 
@@ -901,13 +918,14 @@ class MossVLForConditionalGeneration(MossVLGenerationMixin, MossVLPreTrainedMode
         batch = input_ids.shape[0]
         image_token_id = self.config.image_token_id
         cross_kv, key_frame, key_valid, frame_grids = {}, None, None, [[] for _ in range(batch)]
-        # A text-only prompt carries the processor's placeholder frame, which no <|image_pad|> token refers to.
-        has_frames = bool((input_ids == image_token_id).any())
-        if pixel_values is not None and grid_thw is not None and grid_thw.numel() and has_frames:
+        frame_tokens = (input_ids == image_token_id).sum(dim=1).tolist()
+        if pixel_values is not None and grid_thw is not None and grid_thw.numel() and any(frame_tokens):
+            pixel_values, grid_thw, media_nums_per_sample = referenced_media(
+                pixel_values, grid_thw, media_nums_per_sample, frame_tokens
+            )
             states, key_frame, key_valid, frame_grids = self.encoder_batch(
                 pixel_values, grid_thw, media_nums_per_sample, batch, vision_chunked_length
             )
-        frame_tokens = (input_ids == image_token_id).sum(dim=1).tolist()
         if frame_tokens != [len(g) for g in frame_grids]:
             raise ValueError(
                 f"frames per sample {[len(g) for g in frame_grids]} do not match <|image_pad|> tokens {frame_tokens}"

@@ -222,6 +222,27 @@ def test_batch_of_two_equals_each_alone(model, processor):
         torch.testing.assert_close(batch_logits[row, width - length :], logits_of(model, single), rtol=1e-5, atol=1e-5)
 
 
+def test_a_text_only_sample_batches_with_a_media_sample(model, processor):
+    """The processor gives a text-only sample its blank frame (media_nums 1, seen by no row): in a batch with an image
+    sample it contributes no frame, and each row's logits and greedy tokens equal the sample run alone."""
+    first = chat(processor, [{"type": "text", "text": "Describe the video in one word."}])
+    second = chat(processor, [{"type": "image"}, {"type": "text", "text": "What color is the largest region?"}])
+    image = str(ASSETS / "gradient_96x64.png")
+    batch = processor(text=[first, second], images=[image])
+    alone = [processor(text=first), processor(text=second, images=[image])]
+    assert batch["media_nums_per_sample"] == [1, 1] and alone[0]["media_nums_per_sample"] == [1]
+    batched = model.generate(**batch, max_new_tokens=6, eos_token_id=[])
+    batch_logits = logits_of_batch(model, batch)
+    width = batch["input_ids"].shape[1]
+    for row, single in enumerate(alone):
+        length = single["input_ids"].shape[1]
+        assert torch.equal(batched[row, width - length : width], single["input_ids"][0])
+        assert torch.equal(
+            batched[row, width:], model.generate(**single, max_new_tokens=6, eos_token_id=[])[0, length:]
+        )
+        torch.testing.assert_close(batch_logits[row, width - length :], logits_of(model, single), rtol=1e-5, atol=1e-5)
+
+
 def logits_of_batch(model, inputs):
     with torch.no_grad():
         return model(**inputs).logits
