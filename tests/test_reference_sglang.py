@@ -148,7 +148,7 @@ def test_stock_processor_gives_a_text_only_prompt_no_media(sglang_processor, pro
     text = "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
     raw = processor(text=text)
     assert raw["grid_thw"].tolist() == [[1, 8, 8]] and not raw["pixel_values"].any()
-    assert raw["media_nums_per_sample"] == [0] and "cross_attention_mask" not in raw
+    assert raw["media_nums_per_sample"] == [1] and raw["cross_attention_mask"].all()
     with pytest.raises(ValueError, match="found 1 frame"):
         sglang_processor._compute_position_metadata(
             raw["input_ids"], raw["attention_mask"], raw["grid_thw"], raw["media_nums_per_sample"]

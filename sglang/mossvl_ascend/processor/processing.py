@@ -67,7 +67,7 @@ class MossVLProcessor(ProcessorMixin):
     def from_checkpoint(cls, checkpoint: str | Path, chat_template: Optional[str] = None) -> "MossVLProcessor":
         """Ours for a published checkpoint directory, read from its real files: ``preprocessor_config.json``,
         ``video_preprocessor_config.json`` and its tokenizer (chat template: the argument, else the tokenizer's)."""
-        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint), trust_remote_code=False)
         image_processor = MossVLImageProcessor.from_real_configs(checkpoint)
         return cls(image_processor, tokenizer, chat_template=chat_template or tokenizer.chat_template)
 
