@@ -160,7 +160,8 @@ class MossVLConfig(PretrainedConfig):
         image_token_id: ``<|image_pad|>``, one per frame in the expanded prompt (images and video frames alike);
             it opens the frame's XRoPE position block.
         video_token_id: ``<|video_pad|>`` (kept for checkpoint compatibility; frames use image_token_id).
-        vision_start_token_id / vision_end_token_id: ``<|vision_start|>`` / ``<|vision_end|>`` around a medium.
+        vision_start_token_id / vision_end_token_id: ``<|vision_start|>`` / ``<|vision_end|>`` around a video's
+            frames and around each realtime frame (an image's ``<|image_pad|>`` is bare).
         tie_word_embeddings: share the embedding and LM head weights (False for MOSS-VL).
     """
 

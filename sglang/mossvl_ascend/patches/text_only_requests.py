@@ -43,10 +43,10 @@ PATCHES = (
         platforms=ON_NPU_AND_CPU,
         why=(
             "the real MOSS-VL checkpoints' processor returns a blank placeholder frame (`pixel_values` of 8 x 8 "
-            "patches, `grid_thw [[1, 8, 8]]`, `media_nums_per_sample [0]`) for a prompt with no image, and stock "
-            "0.5.23 runs the multimodal processor for every MOSS-VL request (`is_mossvl` in `TokenizerManager`). "
-            "Stock then fails the request: `_build_vision_token_info` counts the placeholder as a medium for a "
-            "batch of one (it ignores `media_nums_per_sample` there) and `_compute_vision_position_ids` raises "
+            "patches, `grid_thw [[1, 8, 8]]`, `media_nums_per_sample [1]`, an all-masked `cross_attention_mask`) "
+            "for a prompt with no image, and stock 0.5.23 runs the multimodal processor for every MOSS-VL request "
+            "(`is_mossvl` in `TokenizerManager`). Stock then fails the request: `_build_vision_token_info` counts "
+            "the placeholder as a medium, as the processor does, and `_compute_vision_position_ids` raises "
             "'found 1 frame(s) and 0 token(s)' (reproduced: `/health` never turns healthy, its probe is such a "
             "request). Past that, `_build_mm_items` turns any `pixel_values` into an image item: a 17-slot encoder "
             "of junk (16 merged patches + 1 separator) that the text attends to (an earlier NPU port of MOSS-VL saw "
