@@ -135,10 +135,14 @@ def test_a_three_turn_image_conversation_stays_on_one_worker(fleet, reference):
     assert len(set(routed)) == 1, routed
 
 
-async def realtime_session(url: str, script) -> RealtimeClient:
+async def open_session(url: str) -> RealtimeClient:
     client = RealtimeClient(url, headers={"Authorization": "Bearer none"})  # smg relays only a client with one
     await client.open(max_new_tokens=TURN_LIMIT, temperature=0.0)
     await client.settle()
+    return client
+
+
+async def play(client: RealtimeClient, script) -> RealtimeClient:
     for action in script:
         if action[0] == "frame":
             seq_no = await client.frame(noise_image(action[2]), action[1])
@@ -156,7 +160,9 @@ def test_four_realtime_sessions_through_the_gateway_equal_the_reference_on_both_
     names = sorted(SCRIPTS)
 
     async def all_sessions():
-        return await asyncio.gather(*(realtime_session(url, SCRIPTS[name]) for name in names))
+        # Opened one after another (smg places each on the least-loaded realtime worker), then played together.
+        clients = [await open_session(url) for _ in names]
+        return await asyncio.gather(*(play(client, SCRIPTS[name]) for client, name in zip(clients, names)))
 
     before = [worker_sessions(server) for server in fleet.servers]
     clients = dict(zip(names, asyncio.run(all_sessions())))
