@@ -431,12 +431,10 @@ class MossVLRealtimeSession:
         return [token] + (self.encode(text) if text else []), frames
 
     def stream_frame(self, image, timestamp: float) -> StreamFrame:
-        """A pushed frame as video-frame patches (the processor's video pixel budget)."""
+        """A pushed frame as the processor sizes a realtime frame (the image rule, ``realtime_frame``)."""
         if not callable(getattr(image, "convert", None)):
             raise ValueError(f"a frame must be a PIL image, got {type(image).__name__}")
-        image_processor = self.processor.image_processor
-        rgb = image.convert("RGB")
-        pixel_values, grid = image_processor.patchify_frames([rgb], image_processor.video_max_pixels)
+        pixel_values, grid = self.processor.image_processor.realtime_frame(image)
         return StreamFrame(pixel_values, grid, timestamp)
 
 

@@ -308,10 +308,25 @@ def test_this_packages_stream_runs_a_checkpoint_loaded_from_its_own_copy(model, 
 
     own = sys.modules[type(model.create_realtime_session(rt_processor).stream).__module__]
     assert own.__name__ != "moss_vl_reference.realtime_moss_vl"
-    image_processor = rt_processor.image_processor
-    pixels, grid = image_processor.patchify_frames([noise_image(3)], image_processor.video_max_pixels)
+    pixels, grid = rt_processor.image_processor.realtime_frame(noise_image(3))
     ids = rt_processor.tokenizer("hello" + frame_string(0.0), add_special_tokens=False)["input_ids"]
     ours, theirs = RealtimeStream(model), own.RealtimeStream(model)
     assert ours.cross_layers == sorted(model.config.text_config.cross_attention_layers)
     logits = ours.append(ids, [StreamFrame(pixels, grid, 0.0)])
     torch.testing.assert_close(logits, theirs.append(ids, [own.StreamFrame(pixels, grid, 0.0)]), rtol=0, atol=0)
+
+
+def test_a_pushed_frame_is_sized_as_an_image_of_the_processor(model, rt_processor):
+    """The published realtime loop puts each drained frame through the processor as an image (an ``<|image|>``
+    placeholder with ``images=frames``: modeling_moss_vl.py of MOSS-VL-Realtime-0708,
+    ``_update_model_kwargs_for_real_time_generation`` step 3), so a frame follows the image size rule: at most
+    size.longest_edge = 512 x 512 pixels on the tiny checkpoints, not the video rule (frames of at most 256 x 256).
+    A 1024 x 768 frame: 786432 pixels scaled by sqrt(3) -> floor(768 / 1.732 / 32) * 32 = 416 by
+    floor(1024 / 1.732 / 32) * 32 = 576, a [1, 26, 36] patch grid (the video rule would give [1, 12, 18])."""
+    frame = noise_image(7, size=(1024, 768))
+    session = model.create_realtime_session(rt_processor)
+    pushed = session.stream_frame(frame, 0.0)
+    assert pushed.grid == [1, 26, 36]
+    as_image = rt_processor(text="<|image|>", images=[frame])
+    assert as_image["grid_thw"].tolist() == [pushed.grid]
+    assert torch.equal(pushed.pixel_values, as_image["pixel_values"])

@@ -191,6 +191,13 @@ class MossVLImageProcessor(BaseImageProcessor):
             media.append(patchify(picture.unsqueeze(0), *target))
         return media
 
+    def realtime_frame(self, frame: Any) -> tuple[torch.Tensor, list[int]]:
+        """One pushed realtime frame -> (patches, [1, gh, gw]). The published realtime loop
+        (``_update_model_kwargs_for_real_time_generation``) sends the frames it drains through the processor as
+        images, one ``<|image|>`` each, so a frame is sized by the image rule, not the video one: here one image of
+        a call, ``[size.shortest_edge, min(multi_image_max_pixels, size.longest_edge)]`` pixels."""
+        return self.images([frame])[0]
+
     def patchify_frames(self, frames: Sequence[Image.Image], max_pixels: Optional[int]) -> tuple[torch.Tensor, list]:
         """Frames of one medium resized like one image capped at ``max_pixels`` (None: the video frame maximum):
         how the realtime stream turns a pushed frame into patches."""

@@ -354,9 +354,7 @@ class ServedSession:
         image_processor = self.processor.image_processor
         pixels, grids = [], []
         for frame in frames:
-            values, grid = image_processor.patchify_frames(
-                [frame.image.convert("RGB")], image_processor.video_max_pixels
-            )
+            values, grid = image_processor.realtime_frame(frame.image)
             pixels.append(values)
             grids.append(grid)
         return torch.cat(pixels), torch.tensor(grids)
