@@ -44,8 +44,8 @@ from moss_vl_reference.queries_moss_vl import (  # noqa: E402
     ROUND_END,
     ROUND_START,
     STOP_OFFLINE_GENERATE,
-    _resolve_path,
     normalize_query,
+    resolve_media_reference,
 )
 from mossvl_ascend import checkpoint_code  # noqa: E402
 
@@ -80,8 +80,8 @@ def _resolved_reference(value: Any, base_dir: Path) -> Any:
     with ``video_path``."""
     if isinstance(value, dict):
         key = "url" if "url" in value else "video_path" if "video_path" in value else None
-        return {**value, key: _resolve_path(value[key], base_dir)} if key else value
-    return _resolve_path(value, base_dir)
+        return {**value, key: resolve_media_reference(value[key], base_dir)} if key else value
+    return resolve_media_reference(value, base_dir)
 
 
 def _resolved_part(part: Any, base_dir: Path) -> Any:

@@ -155,7 +155,9 @@ def is_stop_message(message: Any, stop: dict) -> bool:
     return isinstance(message, dict) and all(message.get(key) == value for key, value in stop.items())
 
 
-def _resolve_path(value: Any, base_dir: Path) -> Any:
+def resolve_media_reference(value: Any, base_dir: Path) -> Any:
+    """One media reference with a local path made absolute: a relative path is taken from ``base_dir`` and
+    ``file://`` is stripped; ``http(s)://`` and ``data:`` URLs and non-string values are returned as given."""
     if not isinstance(value, str) or value.startswith(REMOTE_PREFIXES):
         return value
     local = value.removeprefix("file://")
@@ -165,15 +167,15 @@ def _resolve_path(value: Any, base_dir: Path) -> Any:
 
 def _resolve_part(part: dict, base_dir: Path) -> dict:
     if part["type"] == "image":
-        return {"type": "image", "image": _resolve_path(part["image"], base_dir)}
+        return {"type": "image", "image": resolve_media_reference(part["image"], base_dir)}
     if part["type"] != "video":
         return part
     video = part["video"]
     if not isinstance(video, dict):
-        return {"type": "video", "video": _resolve_path(video, base_dir)}
+        return {"type": "video", "video": resolve_media_reference(video, base_dir)}
     if "video_path" not in video:
         raise ValueError("a video given as an object needs 'video_path'")
-    return {"type": "video", "video": {**video, "video_path": _resolve_path(video["video_path"], base_dir)}}
+    return {"type": "video", "video": {**video, "video_path": resolve_media_reference(video["video_path"], base_dir)}}
 
 
 def resolve_query_media_paths(query: dict, base_dir: Path) -> dict:
