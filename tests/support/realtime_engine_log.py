@@ -9,9 +9,10 @@ this step, grown for new frames before the prefill, plus its text rows when the 
 re-prefill shows as a batch of the whole row with nothing cached, and leaves the step unmatched.
 
 Steps are matched by value, not by their place in the log (with sglang's overlapped scheduling a step's prefill can
-be logged after the previous step's finish line, or before). Only batches of one sequence are matched: a step
-prefilled together with another request, or cut by chunked prefill, has no batch of its own and stays unmatched,
-so use this on servers without chunked prefill and where sessions' steps do not coincide (one session at a time).
+be logged after the previous step's finish line, or before): first to batches of one sequence, then steps prefilled
+together to a batch of several whose totals they make up (exactly, or beside requests that are not steps and took
+nothing from the cache). Every TP rank logs each step; each is counted once. A step cut by chunked prefill has no
+such batch and stays unmatched: use this on servers without chunked prefill.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
+from itertools import combinations
 
 from support.serving import engine_prefills
 
@@ -37,28 +39,52 @@ class LoggedStep:
 
 
 def logged_steps(log_text: str) -> list[LoggedStep]:
-    return [
-        LoggedStep(session, int(index), int(rows), int(encoder), int(text))
-        for session, index, rows, encoder, text in STEP_LINE.findall(log_text)
-    ]
+    """Each step once, in log order (every TP rank logs it)."""
+    steps = {}
+    for session, index, rows, encoder, text in STEP_LINE.findall(log_text):
+        steps.setdefault((session, int(index)), LoggedStep(session, int(index), int(rows), int(encoder), int(text)))
+    return list(steps.values())
 
 
-def steps_the_engine_did_not_extend_alone(log_text: str) -> list[LoggedStep]:
-    """The steps (after each session's first) with no one-sequence prefill batch of exactly (their rows new, the
-    session's rows so far cached) in the engine's log; [] when the engine did only the new work of every step."""
-    batches = Counter(
-        (batch.new_tokens, batch.cached_tokens) for batch in engine_prefills(log_text) if batch.new_seqs == 1
-    )
+def expected_engine_counts(log_text: str) -> list[tuple[LoggedStep, tuple[int, int]]]:
+    """(step, (its new rows, the session's rows so far)) for every step after each session's first."""
     previous: dict[str, LoggedStep] = {}
-    missing = []
+    expected = []
     for step in logged_steps(log_text):
         before = previous.get(step.session)
         previous[step.session] = step
-        if before is None:
-            continue
-        expected = (step.rows, step.encoder_rows + before.text_rows)
-        if batches[expected] > 0:
-            batches[expected] -= 1
+        if before is not None:
+            expected.append((step, (step.rows, step.encoder_rows + before.text_rows)))
+    return expected
+
+
+def steps_the_engine_did_not_extend_alone(log_text: str) -> list[LoggedStep]:
+    """The steps (after each session's first) that no prefill batch of the engine's log accounts for exactly: a batch
+    of one sequence with (their rows new, the session's rows so far cached), or a batch of n sequences whose totals
+    n such steps make up; [] when the engine did only the new work of every step."""
+    batches = engine_prefills(log_text)
+    single = Counter((b.new_tokens, b.cached_tokens) for b in batches if b.new_seqs == 1)
+    unmatched = []
+    for step, counts in expected_engine_counts(log_text):
+        if single[counts] > 0:
+            single[counts] -= 1
         else:
-            missing.append(step)
-    return missing
+            unmatched.append((step, counts))
+    for batch in (b for b in batches if b.new_seqs > 1):
+        group = _steps_making_up(batch, [counts for _, counts in unmatched])
+        unmatched = [entry for i, entry in enumerate(unmatched) if i not in group]
+    return [step for step, _ in unmatched]
+
+
+def _steps_making_up(batch, counts: list[tuple[int, int]]) -> tuple[int, ...]:
+    """Indexes of the steps prefilled in ``batch`` (several sequences): all its sequences, their totals exactly; or
+    fewer, beside requests that are not steps and took nothing from the cache (the steps' cached rows are then the
+    batch's, and their new rows fewer than its). () when no group fits."""
+    for size in range(batch.new_seqs, 0, -1):
+        for group in combinations(range(len(counts)), size):
+            rows = sum(counts[i][0] for i in group)
+            cached = sum(counts[i][1] for i in group)
+            whole = size == batch.new_seqs and rows == batch.new_tokens
+            if cached == batch.cached_tokens and (whole or (size < batch.new_seqs and rows < batch.new_tokens)):
+                return group
+    return ()
