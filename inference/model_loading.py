@@ -20,11 +20,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoProcessor
 
 import device_utils  # looked up as a module attribute at call time so tests can simulate devices
+from inference.cli_flags import DTYPE_NAMES
 from mossvl_ascend import checkpoint_code
 
 logger = logging.getLogger("model_loading")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def choose_device(requested: str) -> tuple[str, str]:

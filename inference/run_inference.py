@@ -37,8 +37,8 @@ if REPO_ROOT not in sys.path:
 
 from tqdm import tqdm  # noqa: E402
 
-import device_utils  # noqa: E402
-from inference.model_loading import DTYPES, load_model  # noqa: E402
+from inference.cli_flags import add_runner_flags  # noqa: E402
+from inference.model_loading import load_model  # noqa: E402
 from moss_vl_reference.queries_moss_vl import (  # noqa: E402
     ERROR_PREFIX,
     ROUND_END,
@@ -226,25 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--output", type=Path, default=None, help="results JSON (default: <input stem>_results.json next to the input)"
     )
-    parser.add_argument(
-        "--device",
-        choices=("auto", "npu", "cuda", "cpu"),
-        default="auto",
-        help="default auto: NPU if present, else CUDA, else CPU; naming an accelerator this machine lacks is an error",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=tuple(DTYPES),
-        default=None,
-        help="weights/activations dtype (default: bfloat16 on NPU/CUDA, float32 on CPU)",
-    )
-    parser.add_argument(
-        "--attention-backend",
-        choices=("auto",) + device_utils.ATTN_IMPLEMENTATIONS,
-        default="auto",
-        help="transformers attn_implementation (default auto: eager on NPU, flash_attention_2 on CUDA when flash_attn "
-        "is installed else sdpa, sdpa on CPU; FlashAttention without CUDA or its package falls back to the default)",
-    )
+    add_runner_flags(parser)
     parser.add_argument(
         "--cross-attention-implementation",
         default=None,
@@ -252,20 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "flash_attention_3 for a checkpoint whose remote code ships an FA3 cross-attention kernel",
     )
     parser.add_argument(
-        "--remote-code",
-        choices=checkpoint_code.CHOICES,
-        default=None,
-        help=f"whose code loads a MOSS-VL checkpoint: auto (its own remote code when it imports under this "
-        f"transformers, else this project's), checkpoint, or ours (default: ${checkpoint_code.ENV_VAR}, else auto)",
-    )
-    parser.add_argument(
         "--timeout-seconds", type=float, default=300.0, help="deadline of each query in seconds (default 300)"
-    )
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="logging level (default INFO)",
     )
     return parser
 

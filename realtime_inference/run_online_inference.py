@@ -65,7 +65,7 @@ if REPO_ROOT not in sys.path:
 from fastapi import FastAPI, WebSocket  # noqa: E402
 from PIL import Image, UnidentifiedImageError  # noqa: E402
 
-import device_utils  # noqa: E402
+from inference.cli_flags import add_runner_flags  # noqa: E402
 from moss_vl_reference.queries_moss_vl import ERROR_PREFIX, ROUND_START, SILENCE  # noqa: E402
 from mossvl_ascend import checkpoint_code  # noqa: E402
 from realtime_inference import video_sources  # noqa: E402
@@ -165,10 +165,10 @@ def load_realtime_model(args: argparse.Namespace) -> tuple[Any, Any, dict]:
 
     model, processor, metadata = load_model(
         args.checkpoint,
-        args.device_map,
+        args.device,
         args.dtype,
         args.attention_backend,
-        remote_code=getattr(args, "remote_code", None),
+        remote_code=args.remote_code,
     )
     if not callable(getattr(model, "create_realtime_session", None)):
         raise RuntimeError(
@@ -198,33 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model = parser.add_argument_group("model")
     model.add_argument("--checkpoint", type=Path, help="local MOSS-VL checkpoint directory (not needed with --dry-run)")
-    model.add_argument(
-        "--device-map",
-        default="auto",
-        help="auto (NPU, else CUDA, else CPU) or one device: cpu, npu, npu:1, cuda:0, ... (default auto)",
-    )
-    model.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float16", "float32"),
-        default=None,
-        help="default: bfloat16 on NPU/CUDA, float32 on CPU",
-    )
-    model.add_argument(
-        "--attention-backend",
-        choices=("auto",) + device_utils.ATTN_IMPLEMENTATIONS,
-        default="auto",
-        help="transformers attn_implementation (default auto: eager on NPU, flash_attention_2 on CUDA when flash_attn "
-        "is installed else sdpa, sdpa on CPU)",
-    )
-
-    model.add_argument(
-        "--remote-code",
-        choices=checkpoint_code.CHOICES,
-        default=None,
-        help="whose code loads a MOSS-VL checkpoint: auto (its own remote code when it imports under this "
-        "transformers, else this project's: the reference model and its realtime session), checkpoint, or ours "
-        f"(default: ${checkpoint_code.ENV_VAR}, else auto)",
-    )
+    add_runner_flags(model)
 
     source = parser.add_argument_group("source (CLI mode)")
     source.add_argument(
@@ -389,12 +363,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="folder whose video files clients may stream with a 'video' message (paths relative to it or inside "
         "it); default: none, 'video' messages are refused",
-    )
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="logging level (default INFO)",
     )
     return parser
 

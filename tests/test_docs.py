@@ -7,9 +7,10 @@
   package. Markdown links resolve from the document's folder, and their ``#anchor`` must be a heading there.
 - Flags: a command (a fenced-block line, continued over trailing backslashes, or an inline code span) that names a
   program has its flags checked against that program alone: one of our scripts (the option strings in its argparse
-  source), stock sglang's server arguments (``python -m sglang.launch_server``, ``make serve ARGS=``; read from
-  ``ServerArgs.add_cli_args``), ``sglang.bench_serving``, pip or pytest. A flag outside such a command is checked
-  against the programs its paragraph (list item, table row) names, and stock sglang's server arguments.
+  source, plus ``inference/cli_flags.py`` when the script adds the runners' shared flags from it), stock sglang's
+  server arguments (``python -m sglang.launch_server``, ``make serve ARGS=``; read from ``ServerArgs.add_cli_args``),
+  ``sglang.bench_serving``, pip or pytest. A flag outside such a command is checked against the programs its
+  paragraph (list item, table row) names, and stock sglang's server arguments.
 
 The checker takes the Makefile's targets, the file-existence test and the flag sets as arguments, so the tests at the
 bottom can show that removing a target, a file or a flag is caught. No server, no model: the slowest part is
@@ -34,13 +35,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 
 SGLANG = "sglang"  # owner name: stock sglang's server arguments
-SCRIPTS = {  # owner name -> argparse source (repo-relative)
+SCRIPTS = {  # owner name -> its own argparse source (repo-relative)
     "inference/run_inference.py": "inference/run_inference.py",
     "realtime_inference/run_online_inference.py": "realtime_inference/run_online_inference.py",
     "realtime_inference/replay_proactive_videoqa.py": "realtime_inference/replay_proactive_videoqa.py",
     "moss_vl_reference/tiny_checkpoint.py": "moss_vl_reference/tiny_checkpoint.py",
     **{f"benchmarks/{p.name}": f"benchmarks/{p.name}" for p in sorted((REPO_ROOT / "benchmarks").glob("*.py"))},
 }
+# The runners' shared flags live in one module; a script that calls its adder accepts them too.
+SHARED_FLAGS = "inference/cli_flags.py"
+SHARED_FLAGS_CALL = re.compile(r"\badd_runner_flags\(")
 # How a document names a program (first match in a command wins) -> owner name.
 PROGRAM_PATTERNS = (
     (r"(?<![\w/])((?:inference|realtime_inference|benchmarks|moss_vl_reference)/\w+\.py)", None),
@@ -199,7 +203,16 @@ def flags_of(owner: str) -> frozenset[str]:
         return frozenset(_option_strings(_sources_under("pip")))
     if owner == "pytest":
         return frozenset(_option_strings(_sources_under("_pytest") + _sources_under("random_order")))
-    return frozenset(_option_strings((REPO_ROOT / SCRIPTS[owner]).read_text()) | {"--help"})
+    sources = argparse_sources(owner)
+    return frozenset(_option_strings("\n".join((REPO_ROOT / p).read_text() for p in sources)) | {"--help"})
+
+
+def argparse_sources(owner: str) -> tuple[str, ...]:
+    """The files whose option strings make up one of our scripts' flags: the script's own source, plus the shared
+    flags module when the script adds the shared flags."""
+    source = SCRIPTS[owner]
+    calls_shared = SHARED_FLAGS_CALL.search((REPO_ROOT / source).read_text())
+    return (source, SHARED_FLAGS) if calls_shared else (source,)
 
 
 # --- the checker ----------------------------------------------------------------------------------------------
@@ -311,3 +324,16 @@ def test_the_real_readme_fails_when_a_target_a_file_or_a_flag_it_names_goes_away
     assert f"{missing}: no such file" in _check(readme, exists=lambda name: name != missing and path_exists(name))
     without_media_root = lambda owner: flags_of(owner) - {"--media-root"}  # noqa: E731
     assert any(p.startswith("--media-root is not a flag of") for p in _check(readme, flags=without_media_root))
+
+
+def test_a_script_that_adds_the_shared_flags_is_checked_against_them_and_only_such_a_script():
+    assert argparse_sources("inference/run_inference.py") == ("inference/run_inference.py", SHARED_FLAGS)
+    online = "realtime_inference/run_online_inference.py"
+    assert argparse_sources(online) == (online, SHARED_FLAGS)
+    assert argparse_sources("moss_vl_reference/tiny_checkpoint.py") == ("moss_vl_reference/tiny_checkpoint.py",)
+    page = (
+        "`realtime_inference/run_online_inference.py --device-map cpu --log-level DEBUG --sample-fps 2`\n\n"
+        "`moss_vl_reference/tiny_checkpoint.py --device-map cpu`\n"
+    )
+    found = _check(page)
+    assert len(found) == 1 and found[0].startswith("--device-map is not a flag of moss_vl_reference/tiny_checkpoint")
