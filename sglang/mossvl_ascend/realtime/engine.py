@@ -436,7 +436,7 @@ class ServedSession:
         the step's start (:data:`USAGE_INFO_KEY`); the real server's fields, plus the KV slots held (``kv_tokens``,
         what ``/v1/loads`` counts for the session)."""
         accounts = chunk.get("meta_info", {}).get(USAGE_INFO_KEY) or []
-        if not accounts:
+        if not accounts or not self.config.include_usage:
             return
         self.outputs.put_nowait(Output(USAGE, usage=usage_after(accounts[0], generated)))
 

@@ -33,6 +33,7 @@ class SessionConfig:
     ignore_eos: bool = False
     parked_timeout_s: Optional[float] = None  # a parked session (nothing to say, no input) ends after this long
     return_logprob: bool = False  # keep each generated token's log-probability (ServedSession.logprobs)
+    include_usage: bool = False  # emit USAGE outputs (the context account) with each step's outputs
     # Frames stamped more than this before the newest leave the caches; None: the engine's window (or none).
     frame_window_s: Optional[float] = None
 

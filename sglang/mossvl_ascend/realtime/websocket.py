@@ -319,6 +319,7 @@ class _Connection:
             top_p=event.top_p,
             ignore_eos=event.benchmark_ignore_eos,
             parked_timeout_s=self.limits.parked_request_timeout_s,
+            include_usage=event.include_usage,
             **extra,
         )
 
