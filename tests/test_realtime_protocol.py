@@ -699,3 +699,35 @@ def test_admin_key_rules_follow_sglang(engine):
         with test_client.websocket_connect(URL) as ws:
             configure(ws)
     assert len(engine.sessions) == 2
+
+
+# -- frame limits
+
+
+def test_the_advertised_frame_limit_is_below_the_socket_limit(engine):
+    """uvicorn (as sglang starts it) closes a WebSocket message larger than its `ws_max_size` (1009) before any
+    handler sees it: the advertised `max_frame_bytes` is capped one byte below, so one byte over it still reaches the
+    handler and gets `frame_too_large`."""
+    import inspect
+
+    import uvicorn
+
+    socket_limit = inspect.signature(uvicorn.Config).parameters["ws_max_size"].default
+    app = FastAPI()
+    mount(app, engine)  # the real server's 32 MiB asked for
+    with TestClient(app).websocket_connect(URL) as ws:
+        _, configured, _ = configure(ws)
+    assert configured["max_frame_bytes"] == socket_limit - 1 < 32 * 1024 * 1024
+
+
+def test_a_decompression_bomb_is_refused_from_its_header():
+    """A 6000x6000 PNG of a few kilobytes is refused by its header's size against the processor's limit, before
+    any pixel is decoded (PIL's own bomb check only starts at 89 megapixels)."""
+    from mossvl_ascend.realtime.protocol import ProtocolError, decode_frame
+
+    buffer = io.BytesIO()
+    Image.new("L", (6000, 6000), 0).save(buffer, format="PNG", optimize=True)
+    with pytest.raises(ProtocolError, match="6000x6000 = 36000000 pixels .* max_input_pixels=4194304") as refused:
+        decode_frame(buffer.getvalue(), "image/png", max_pixels=2048 * 2048)
+    assert refused.value.code == "invalid_request"
+    assert decode_frame(png(size=(2048, 2048)), "image/png", max_pixels=2048 * 2048).size == (2048, 2048)
