@@ -13,9 +13,10 @@ Facts relied on (read from fnlp-vision/sglang-omni-realtime ``sglang_omni/serve/
 * Server events and their fields are the ``*Event`` models below; optional fields the real server omits when
   unset are left out of the wire dict (see :meth:`ServerEvent.dump`).
 
-Deliberate differences: the real server ends the session on an oversize binary message (``frame_too_large``);
-here it is a per-event error like an undecodable frame, and the session goes on. The real server decodes the
-image in the scheduler; here it is decoded at the edge, so a bad image is a per-event ``invalid_request``
+Deliberate differences (all listed in docs/architecture.md, "Realtime sessions in sglang"): the real server ends the
+session on an oversize binary message (``frame_too_large``); here it is a per-event error like an undecodable frame,
+and the session goes on. The real server decodes the image in the scheduler; here it is decoded at the edge, so a
+bad image, or one whose header says it has more pixels than the processor takes, is a per-event ``invalid_request``
 instead of a session abort.
 """
 
