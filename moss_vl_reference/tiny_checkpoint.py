@@ -353,7 +353,17 @@ def write_processor(directory: Path, preset: dict, tokenizer, chat_template: str
         max_input_pixels=preset["processor"]["max_input_pixels"],
     )
     processor = MossVLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
-    processor.save_pretrained(directory)
+    # Every trust_remote_code load of a checkpoint registers these classes for their auto class (our entry re-exports
+    # them), and save_pretrained would then copy the plugin's modules in: a build must not depend on what the process
+    # loaded before.
+    registered = {cls: cls._auto_class for cls in (MossVLProcessor, MossVLImageProcessor)}
+    try:
+        for cls in registered:
+            cls._auto_class = None
+        processor.save_pretrained(directory)
+    finally:
+        for cls, auto_class in registered.items():
+            cls._auto_class = auto_class
     saved = json.loads((directory / "processor_config.json").read_text())
     entry = {"AutoProcessor": "processing_moss_vl.MossVLProcessor"}
     saved["auto_map"] = entry

@@ -2,6 +2,7 @@
 
 import json
 import time
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -123,3 +124,36 @@ def test_a_change_to_the_processor_package_rebuilds_every_checkpoint(tmp_path, m
     edited.write_bytes(edited.read_bytes() + b"\n# edited\n")
     after = {preset: tiny_checkpoint.source_fingerprint(preset, 0) for preset in before}
     assert all(before[preset] != after[preset] for preset in before)
+
+
+def test_our_layout_ships_the_processor_the_real_layout_files_describe(tmp_path):
+    """tiny-realtime (our layout, its processor_config.json read through the checkpoint's processing_moss_vl entry)
+    and tiny-real-layout (the published preprocessor_config.json / video_preprocessor_config.json read by
+    from_checkpoint) are the same model: same media settings, same pixels, grids and ids for an image pair and a video.
+    The auto_map names the checkpoint's own processing_moss_vl.py, no copy of the plugin's modules."""
+    from mossvl_ascend.processor import MossVLProcessor
+    from mossvl_ascend.processor.image_processor import SETTINGS
+
+    # built after a trust_remote_code load, which registers the plugin's classes for their auto classes
+    AutoProcessor.from_pretrained(build_or_reuse("tiny"), trust_remote_code=True)
+    ours_dir = build_or_reuse("tiny-realtime", tmp_path / "ours")
+    saved = json.loads((ours_dir / "processor_config.json").read_text())
+    assert saved["auto_map"] == {"AutoProcessor": "processing_moss_vl.MossVLProcessor"}
+    assert saved["image_processor"]["auto_map"]["AutoImageProcessor"] == "processing_moss_vl.MossVLImageProcessor"
+    assert not (ours_dir / "image_processor.py").exists() and not (ours_dir / "processing.py").exists()
+    ours = AutoProcessor.from_pretrained(ours_dir, trust_remote_code=True)
+    real = MossVLProcessor.from_checkpoint(build_or_reuse("tiny-real-layout"))
+    published = [name for name in SETTINGS if name != "max_input_pixels"]  # ours: a server's decode-size guard
+    assert {n: getattr(ours.image_processor, n) for n in published} == {
+        n: getattr(real.image_processor, n) for n in published
+    }
+    assets = Path(__file__).parent / "assets"
+    call = dict(
+        text="<|image|>and<|image|> then <|video|>",
+        images=[str(assets / "square_64.png"), str(assets / "gradient_96x64.png")],
+        videos=[str(assets / "moving_square_3s.mp4")],
+    )
+    mine, theirs = ours(**call), real(**call)
+    for key in ("input_ids", "pixel_values", "grid_thw", "cross_attention_mask"):
+        assert torch.equal(mine[key], theirs[key]), key
+    assert mine["grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6], [3, 4, 4]]
