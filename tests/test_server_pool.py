@@ -129,18 +129,3 @@ def test_a_test_without_the_marker_cannot_start_a_server(tmp_path):
         server.start()
     assert f"exited with code {served_guard.REFUSED_EXIT_CODE}" in str(refused.value)
     assert "test_a_test_without_the_marker_cannot_start_a_server" in str(refused.value)
-
-
-def test_a_server_wanted_later_outlives_idle_servers_used_more_recently(stand_in, tmp_path):
-    pool = ServerPool(max_alive=2)
-    try:
-        with pool.lease(tmp_path, ["--page-size", "1"], name="pool-shared", wanted_later=True) as shared:
-            pass
-        for size in ("16", "32", "64"):  # a module's own servers, one after another
-            with pool.lease(tmp_path, ["--page-size", size], name=f"pool-{size}"):
-                pass
-        assert shared.process.poll() is None
-        with pool.lease(tmp_path, ["--page-size", "1"], name="pool-borrower") as borrowed:
-            assert borrowed.reused and borrowed.process.pid == shared.process.pid
-    finally:
-        pool.close()

@@ -159,7 +159,7 @@ def short_ttft_median(results: dict) -> float:
 @pytest.fixture(scope="module")
 def unchunked(checkpoint, processor, reference, server_pool):
     """Baseline figures of the unchunked server: prompt logprobs per case, short-request TTFT under load."""
-    with server_pool.lease(checkpoint, UNCHUNKED_SERVER, name="chunked-baseline", wanted_later=True) as server:
+    with server_pool.lease(checkpoint, UNCHUNKED_SERVER, name="chunked-baseline") as server:
         client, model_name = openai_client(server)
         logprobs = all_prompt_logprobs(server, processor)
         load = run_load(client, model_name, streamed_ttft)

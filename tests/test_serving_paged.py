@@ -84,7 +84,7 @@ def all_logprobs(server, processor) -> dict:
 
 @pytest.fixture(scope="module")
 def page_one(checkpoint, processor, reference, server_pool):
-    with server_pool.lease(checkpoint, BASE_ARGS + PAGE_ONE, name="paged-page1", wanted_later=True) as server:
+    with server_pool.lease(checkpoint, BASE_ARGS + PAGE_ONE, name="paged-page1") as server:
         return all_logprobs(server, processor)
 
 

@@ -1,12 +1,12 @@
 """A pool of sglang test servers: a module that asks for a server with the arguments an earlier module's server was
 started with gets that live server (its cache flushed) instead of a new one, a start-up (~1 min on 2 cores) saved.
 
-Servers are started with ``serving.launch.SglangServer`` (as every served test starts them) and keyed by ``server_key``:
-the checkpoint, the device, the sglang arguments normalised (order, ``--flag=value`` vs ``--flag value``, underscores,
-sglang's short aliases, the defaults ``serving.launch`` adds) and the environment overrides. A server is lent to one
-user at a time; on return it stays alive, idle. Before another server starts, idle ones are stopped, least recently used
-first (those a user marked ``wanted_later`` last), so that at most ``max_alive`` run (more only while every one is in
-use); at the end of the session every server is stopped by PID.
+Servers are started with ``serving.launch.SglangServer`` (as every served test starts them) and keyed by
+``server_key``: the checkpoint, the device, the sglang arguments normalised (order, ``--flag=value`` vs ``--flag
+value``, underscores, sglang's short aliases, the defaults ``serving.launch`` adds) and the environment overrides. A
+server is lent to one user at a time; on return it stays alive, idle. Before another server starts, idle ones are
+stopped, least recently used first, so that at most ``max_alive`` run (more only while every one is in use); at the
+end of the session every server is stopped by PID.
 """
 
 from __future__ import annotations
@@ -105,7 +105,6 @@ class _Entry:
     server: launch.SglangServer
     in_use: bool = False
     last_used: float = field(default_factory=time.monotonic)
-    wanted_later: bool = False  # another module will ask for it: stopped after the others
 
 
 class ServerPool:
@@ -117,20 +116,9 @@ class ServerPool:
         self.reused = 0
 
     @contextlib.contextmanager
-    def lease(
-        self,
-        model_path,
-        args: list[str],
-        *,
-        device: str = "cpu",
-        env=None,
-        name: str = "pooled",
-        wanted_later: bool = False,
-        **options,
-    ):
+    def lease(self, model_path, args: list[str], *, device: str = "cpu", env=None, name: str = "pooled", **options):
         """A healthy server for ``model_path`` with sglang arguments ``args`` (and environment overrides ``env``),
-        with an empty cache; ``wanted_later``: another module will ask for the same server, so idle servers without
-        the mark are stopped before it; ``options`` go to ``SglangServer`` (they are not part of the key)."""
+        with an empty cache; ``options`` go to ``SglangServer`` (they are not part of the key)."""
         key = server_key(model_path, args, device, env)
         entry = self._idle_alive(key)
         reused = entry is not None and self._flushed(entry.server)
@@ -143,7 +131,6 @@ class ServerPool:
                 self._stop(entry)
             entry = self._start(key, model_path, args, device, env or {}, name, options)
         entry.in_use = True
-        entry.wanted_later |= wanted_later
         try:
             yield Lease(entry.server, reused=reused, log_offset=entry.server.log_path.stat().st_size)
         finally:
@@ -174,7 +161,7 @@ class ServerPool:
         return response.status_code == 200
 
     def _start(self, key, model_path, args, device, env, name, options) -> _Entry:
-        idle = sorted((e for e in self.entries if not e.in_use), key=lambda e: (e.wanted_later, e.last_used))
+        idle = sorted((e for e in self.entries if not e.in_use), key=lambda e: e.last_used)
         while idle and len(self.entries) >= self.max_alive:
             self._stop(idle.pop(0))
         with environment(env):
