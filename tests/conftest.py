@@ -60,7 +60,7 @@ SERVED_WITHOUT_POOL = {
 }
 # Served modules whose servers the pool shares, in the order that lets each borrow the one before's (the other
 # served modules follow, by name; modules with no served test run first, in collection order).
-SHARED_SERVER_ORDER = ["test_serving.py", "test_serving_cache.py", "test_serving_chunked.py", "test_serving_paged.py"]
+SHARED_SERVER_ORDER = ["test_serving.py", "test_serving_cache.py"]
 # At most this many servers alive at once (more only while every one is in use): ~1.5 GB each.
 POOL_MAX_ALIVE = 2
 TIMINGS_PATH = REPO_ROOT / "build" / "test-timings.json"

@@ -56,9 +56,6 @@ BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup"]
 # An explicit -1 makes stock CPU memory resolution compute a negative --mem-fraction-static (it sizes activation
 # memory from the chunk size); the value stock resolves with its default chunk size is given instead.
 UNCHUNKED = ["--chunked-prefill-size", "-1", "--mem-fraction-static", "0.71"]
-# The unchunked server is tests/test_serving_paged.py's page-1 baseline (the same arguments; the cache report and the
-# CPU default page size spelled out): the session's server pool lends it to whichever module comes second.
-UNCHUNKED_SERVER = BASE_ARGS + ["--enable-cache-report", "--page-size", "1"] + UNCHUNKED
 ONE_ROW_CONFIGS = {
     "radix": ["--chunked-prefill-size", "1"],
     "no_radix": ["--chunked-prefill-size", "1", "--disable-radix-cache"],
@@ -159,7 +156,7 @@ def short_ttft_median(results: dict) -> float:
 @pytest.fixture(scope="module")
 def unchunked(checkpoint, processor, reference, server_pool):
     """Baseline figures of the unchunked server: prompt logprobs per case, short-request TTFT under load."""
-    with server_pool.lease(checkpoint, UNCHUNKED_SERVER, name="chunked-baseline") as server:
+    with server_pool.lease(checkpoint, BASE_ARGS + UNCHUNKED, name="chunked-baseline") as server:
         client, model_name = openai_client(server)
         logprobs = all_prompt_logprobs(server, processor)
         load = run_load(client, model_name, streamed_ttft)

@@ -46,8 +46,6 @@ PAGED_CASES = {name: CASES[name] for name in PARITY_ORDER} | {
     **{f"short{i}": short_case(i) for i in range(4)},
 }
 BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"]
-# The page-1 baseline is tests/test_serving_chunked.py's unchunked server (the same arguments): the session's server
-# pool lends it to whichever module comes second.
 PAGE_ONE = ["--page-size", "1", "--chunked-prefill-size", "-1", "--mem-fraction-static", "0.71"]
 # Two pages per chunk: with --enable-mixed-chunk stock takes one token per running request off the chunk budget
 # and rounds a new request up to whole pages, so a one-page budget admits nothing while any request decodes.
