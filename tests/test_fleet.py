@@ -155,12 +155,12 @@ async def play(client: RealtimeClient, script) -> RealtimeClient:
     return client
 
 
-def test_four_realtime_sessions_through_the_gateway_equal_the_reference_on_both_workers(fleet, reference):
+def test_four_realtime_sessions_through_the_gateway_equal_the_reference_and_leave_the_workers_idle(fleet, reference):
     url = realtime_url(fleet.gateway_url, GATEWAY_PATH, model=fleet.model_name)
     names = sorted(SCRIPTS)
 
     async def all_sessions():
-        # Opened one after another (smg places each on the least-loaded realtime worker), then played together.
+        # Opened one after another, then played together.
         clients = [await open_session(url) for _ in names]
         return await asyncio.gather(*(play(client, SCRIPTS[name]) for client, name in zip(clients, names)))
 
@@ -168,8 +168,11 @@ def test_four_realtime_sessions_through_the_gateway_equal_the_reference_on_both_
     clients = dict(zip(names, asyncio.run(all_sessions())))
     for name, client in clients.items():
         assert served_turn_texts(client) == turn_texts(reference["tokenizer"], reference["streams"][name]), name
+    # Every session ran on a worker of the fleet. Not asserted: a spread. smg 1.13 puts a session on the least-loaded
+    # labelled worker by the loads it polls every 10 s, so four sessions opened within seconds all went to one worker
+    # (measured: [4, 0], 2026-12-03).
     opened = [len(worker_sessions(server) - seen) for server, seen in zip(fleet.servers, before)]
-    assert sum(opened) == len(names) and all(opened), f"sessions per worker: {opened}"
+    assert sum(opened) == len(names), f"sessions per worker: {opened}"
     for server in fleet.servers:
         assert wait_idle(server)["num_used_tokens"] == 0, server.base_url
 
