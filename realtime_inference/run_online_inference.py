@@ -49,7 +49,9 @@ import contextlib
 import io
 import json
 import logging
+import os
 import re
+import secrets
 import sys
 import threading
 import time
@@ -68,6 +70,7 @@ from PIL import Image, UnidentifiedImageError  # noqa: E402
 from inference.cli_flags import add_runner_flags  # noqa: E402
 from moss_vl_reference.queries_moss_vl import ERROR_PREFIX, ROUND_START, SILENCE  # noqa: E402
 from mossvl_ascend import checkpoint_code  # noqa: E402
+from mossvl_ascend.realtime.websocket import REALTIME_SUBPROTOCOL, presented_key, refuse_handshake  # noqa: E402
 from realtime_inference import video_sources  # noqa: E402
 from realtime_inference.video_sources import FrameEvent, PromptEvent  # noqa: E402
 
@@ -75,6 +78,7 @@ logger = logging.getLogger("run_online_inference")
 
 DEFAULT_PROMPT = "Describe what you see."
 ACCEPTED_IMAGE_FORMATS = ("JPEG", "PNG")
+API_KEY_ENV = "MOSSVL_REALTIME_API_KEY"  # the --serve socket's key when --api-key is not given
 SESSION_CLOSE_SECONDS = 30.0  # how long closing a session waits for its stream's current step
 SESSION_ENDED = object()  # next_session_output's answer once the session has stopped and is fully drained
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
@@ -356,6 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
     service.add_argument("--port", type=int, default=8000, help="service port (default 8000)")
     service.add_argument(
         "--max-frame-bytes", type=int, default=20 * 1024 * 1024, help="largest accepted frame image (default 20 MiB)"
+    )
+    service.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"key a client must present at the WebSocket handshake (Authorization: Bearer KEY, or from a browser the "
+        f"subprotocol openai-insecure-api-key.KEY); a refused handshake gets HTTP 401 (default: ${API_KEY_ENV}, "
+        "else no key)",
     )
     service.add_argument(
         "--media-root",
@@ -844,9 +855,17 @@ def create_service_app(
     async def health() -> dict:
         return {"status": "ok", "busy": app.state.busy, **(metadata or {})}
 
+    api_key = getattr(defaults, "api_key", None)  # upstream's settings namespace has no key
+
     @app.websocket("/v1/realtime")
     async def realtime(websocket: WebSocket) -> None:
-        await websocket.accept()  # accept first: a refusal before the handshake would reach clients as HTTP 403
+        presented = presented_key(websocket)
+        if api_key and (presented is None or not secrets.compare_digest(presented, api_key)):
+            await refuse_handshake(websocket, 401)
+            return
+        offered = websocket.scope.get("subprotocols") or ()
+        # Accept before any other refusal: a refusal before the handshake would reach clients as HTTP 403.
+        await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
         if app.state.busy:
             await websocket.close(code=1013, reason="another realtime session is active; try again later")
             return

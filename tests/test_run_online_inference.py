@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
+from starlette.testclient import WebSocketDenialResponse
 from starlette.websockets import WebSocketDisconnect
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
@@ -305,6 +306,45 @@ def test_defaults_without_newer_attributes_are_accepted_as_upstream_builds_them(
         ws.send_json({"type": "stop"})
         receive_until(ws, "session_end")
     assert "frame_window_seconds" not in model.created_with[0]
+
+
+@pytest.mark.parametrize(
+    "credentials, admitted",
+    [
+        ({}, False),
+        ({"headers": {"Authorization": "Bearer wrong"}}, False),
+        ({"headers": {"Authorization": "Basic sesame"}}, False),
+        ({"headers": {"Authorization": "Bearer sesame"}}, True),
+        ({"subprotocols": ["realtime", "openai-insecure-api-key.sesame"]}, True),  # a browser's way
+    ],
+)
+def test_the_api_key_guards_the_service_socket(service, credentials, admitted):
+    """With --api-key the handshake itself is refused (HTTP 401, no session created) unless the client presents the
+    key as a Bearer header or, as a browser must, in a subprotocol; /health stays open."""
+    model, client = service(api_key="sesame")
+    with client:
+        assert client.get("/health").status_code == 200
+        if not admitted:
+            with pytest.raises(WebSocketDenialResponse) as refused:
+                client.websocket_connect("/v1/realtime", **credentials).__enter__()
+            assert refused.value.status_code == 401
+            assert model.created_with == []
+            return
+        with client.websocket_connect("/v1/realtime", **credentials) as ws:
+            ws.send_json({"type": "start", "prompt": "hello"})
+            assert ws.receive_json() == {"type": "ready"}
+            ws.send_json({"type": "stop"})
+            receive_until(ws, "session_end")
+        assert len(model.created_with) == 1
+
+
+def test_without_a_key_the_service_socket_is_open(service):
+    model, client = service(api_key=None)
+    with client, client.websocket_connect("/v1/realtime") as ws:
+        ws.send_json({"type": "start", "prompt": "hello"})
+        assert ws.receive_json() == {"type": "ready"}
+        ws.send_json({"type": "stop"})
+        receive_until(ws, "session_end")
 
 
 def test_session_streams_output_and_drains_before_session_end(service):

@@ -135,39 +135,51 @@ def mount(
     return video_realtime
 
 
+def presented_key(websocket: WebSocket) -> Optional[str]:
+    """The key a client presents at the handshake: ``Authorization: Bearer <key>`` or, from a browser (which cannot
+    set headers on a WebSocket), the subprotocol ``openai-insecure-api-key.<key>``; None when neither is there."""
+    authorization = websocket.headers.get("authorization")
+    if authorization is not None:
+        parts = authorization.split(" ", 1)  # sglang's own reading of the header (utils/auth.py)
+        return parts[1] if len(parts) == 2 and parts[0].lower() == "bearer" else None
+    for offered in websocket.scope.get("subprotocols") or ():
+        if offered.startswith(KEY_SUBPROTOCOL_PREFIX):
+            return offered[len(KEY_SUBPROTOCOL_PREFIX) :]
+    return None
+
+
+async def refuse_handshake(websocket: WebSocket, status: int) -> None:
+    """Answer a refused handshake with HTTP ``status`` (a close 1008 where the server cannot send an HTTP
+    response), before the socket is accepted and before any session state exists."""
+    logger.info("realtime handshake refused: no valid API key (%s)", websocket.url.path)
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        from fastapi.responses import JSONResponse
+
+        body = {"error": "Unauthorized" if status == 401 else "Forbidden"}
+        await websocket.send_denial_response(JSONResponse(body, status_code=status))
+    else:
+        await websocket.close(code=1008)
+
+
 async def _authorized(websocket: WebSocket, api_key: Optional[str], admin_api_key: Optional[str]) -> bool:
-    """sglang's HTTP rule for a normal endpoint (``decide_request_auth``) on the handshake: the key as
-    ``Authorization: Bearer`` or, from a browser, as the subprotocol ``openai-insecure-api-key.<key>``. A refused
-    handshake is answered 401 (403 where the server cannot send an HTTP response) before any session state."""
+    """sglang's HTTP rule for a normal endpoint (``decide_request_auth``) applied to the key the handshake presents
+    (:func:`presented_key`); a refusal is answered by :func:`refuse_handshake`."""
     if not api_key and not admin_api_key:
         return True
     from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 
-    authorization = websocket.headers.get("authorization")
-    if authorization is None:
-        for offered in websocket.scope.get("subprotocols") or ():
-            if offered.startswith(KEY_SUBPROTOCOL_PREFIX):
-                authorization = "Bearer " + offered[len(KEY_SUBPROTOCOL_PREFIX) :]
+    key = presented_key(websocket)
     decision = decide_request_auth(
         method="GET",
         path=websocket.url.path,
-        authorization_header=authorization,
+        authorization_header=None if key is None else f"Bearer {key}",
         api_key=api_key,
         admin_api_key=admin_api_key,
         auth_level=AuthLevel.NORMAL,
     )
     if decision.allowed:
         return True
-    logger.info("realtime handshake refused: no valid API key (%s)", websocket.url.path)
-    if "websocket.http.response" in websocket.scope.get("extensions", {}):
-        from fastapi.responses import JSONResponse
-
-        status = decision.error_status_code
-        await websocket.send_denial_response(
-            JSONResponse({"error": "Unauthorized" if status == 401 else "Forbidden"}, status_code=status)
-        )
-    else:
-        await websocket.close(code=1008)
+    await refuse_handshake(websocket, decision.error_status_code)
     return False
 
 
