@@ -51,8 +51,11 @@ PROGRAM_PATTERNS = (
     (r"-m (benchmarks)\.(\w+)", "benchmarks/{1}.py"),
     (r"-m moss_vl_reference\.tiny_checkpoint|make tiny-model", "moss_vl_reference/tiny_checkpoint.py"),
     (r"make bench-serving", "benchmarks/bench_serving.py"),
+    (r"make bench-realtime-engine", "benchmarks/bench_realtime.py"),
+    (r"make bench-fleet", "benchmarks/bench_fleet.py"),
     (r"sglang\.launch_server|serving\.launch|make serve", SGLANG),
     (r"sglang\.bench_serving", "sglang.bench_serving"),
+    (r"\bsmg\b", "smg"),
     (r"\bpip\b", "pip"),
     (r"\bpytest\b|PYTEST_ARGS|make test", "pytest"),
 )
@@ -201,6 +204,12 @@ def flags_of(owner: str) -> frozenset[str]:
         return frozenset(_option_strings("\n".join(p.read_text() for p in sources)))
     if owner == "pip":
         return frozenset(_option_strings(_sources_under("pip")))
+    if owner == "smg":  # sglang's gateway: its parser is built at run time from RouterArgs
+        from smg.router_args import RouterArgs
+
+        parser = argparse.ArgumentParser()
+        RouterArgs.add_cli_args(parser)
+        return frozenset(parser._option_string_actions)
     if owner == "pytest":
         return frozenset(_option_strings(_sources_under("_pytest") + _sources_under("random_order")))
     sources = argparse_sources(owner)
