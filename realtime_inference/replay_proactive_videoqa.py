@@ -52,6 +52,7 @@ if REPO_ROOT not in sys.path:
 from PIL import Image  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from inference.cli_flags import add_runner_flags  # noqa: E402
 from moss_vl_reference.queries_moss_vl import ERROR_PREFIX, ROUND_START, SILENCE  # noqa: E402
 
 logger = logging.getLogger("replay_proactive_videoqa")
@@ -384,12 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout-seconds", type=float, default=300.0, help="longest wait for the stream per push (default 300)"
     )
-    parser.add_argument("--device-map", default="auto", help="auto, cpu, npu, npu:1, cuda:0, ... (default auto)")
-    parser.add_argument(
-        "--dtype", choices=("bfloat16", "float16", "float32"), default=None, help="default: bf16 on NPU/CUDA, fp32 CPU"
-    )
-    parser.add_argument("--attention-backend", default="auto", help="transformers attn_implementation (default auto)")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_runner_flags(parser)
     return parser
 
 
@@ -417,7 +413,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         from inference.model_loading import load_model  # torch/transformers only once the arguments are good
 
-        model, processor, _ = load_model(args.checkpoint, args.device_map, args.dtype, args.attention_backend)
+        model, processor, _ = load_model(
+            args.checkpoint, args.device, args.dtype, args.attention_backend, remote_code=args.remote_code
+        )
         counts = replay_file(model, processor, args)
     logger.info("%(done)d samples replayed, %(skipped)d already done, %(failed)d failed", counts)
     return 1 if counts["failed"] else 0

@@ -16,7 +16,7 @@ import re
 import pytest
 
 from inference import run_inference
-from realtime_inference import run_online_inference
+from realtime_inference import replay_proactive_videoqa, run_online_inference
 
 # runner -> (parse function, the arguments it needs besides the shared flags)
 RUNNERS = {
@@ -25,6 +25,10 @@ RUNNERS = {
         ["--checkpoint", "ckpt", "--input", "queries.json"],
     ),
     "realtime_inference/run_online_inference.py": (run_online_inference.parse_args, ["--checkpoint", "ckpt"]),
+    "realtime_inference/replay_proactive_videoqa.py": (
+        lambda argv: replay_proactive_videoqa.build_parser().parse_args(argv),
+        ["--checkpoint", "ckpt", "--input", "in.json", "--output", "pred.jsonl"],
+    ),
 }
 SHARED_OPTIONS = (
     ("--device", "--device-map"),
