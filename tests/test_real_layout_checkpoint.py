@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from moss_vl_reference.tiny_checkpoint import PRESETS, build_config, build_or_reuse, build_tokenizer
 from mossvl_ascend import checkpoint_code
+from serving.launch import engine_env, free_port, server_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ASSETS = REPO_ROOT / "tests" / "assets"
@@ -223,6 +224,23 @@ def test_the_plugin_hook_forced_to_the_checkpoints_code_logs_the_version_it_need
     with caplog.at_level(logging.ERROR), pytest.raises(checkpoint_code.CheckpointCodeUnloadable):
         processor_for_checkpoint(stock.get_processor, path, trust_remote_code=True, model_name=path)
     assert any("needs transformers 4.57.1" in record.getMessage() for record in caplog.records)
+
+
+def test_a_server_forced_to_the_checkpoints_code_stops_with_one_line_naming_the_version(real_layout):
+    """``MOSSVL_REMOTE_CODE=checkpoint`` on a checkpoint whose code cannot import: the launcher stops before any
+    scheduler starts, with the transformers version the checkpoint needs and no traceback."""
+    command = server_command(real_layout, free_port(), extra_args=["--dtype", "float32"])
+    environment = {**engine_env("cpu"), checkpoint_code.ENV_VAR: "checkpoint"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode not in (0, None)
+    assert "MOSS-VL start-up refused" in stderr and "4.57.1" in stderr, stderr[-3000:]
+    assert "Traceback" not in stdout + stderr, stderr[-3000:]
 
 
 # ------------------------------------------------------------------------------------------ the runners

@@ -64,6 +64,24 @@ def processor_for_checkpoint(original: Callable, tokenizer_name: str, *args: Any
             table[key] = previous
 
 
+def refuse_unloadable_forced_code(*args: Any, **kwargs: Any) -> None:
+    """BEFORE hook on stock ``http_server.launch_server``, in the launcher process before any scheduler starts: a
+    MOSS-VL checkpoint whose own code is forced (``MOSSVL_REMOTE_CODE=checkpoint``) but cannot import stops start-up
+    with one line naming the transformers version it needs, instead of a traceback from every process."""
+    server_args = args[0] if args else kwargs["server_args"]
+    checkpoint = server_args.tokenizer_path or server_args.model_path
+    if not checkpoint_code.is_moss_vl_checkpoint(checkpoint):
+        return
+    try:
+        checkpoint_code.choose_code(
+            checkpoint,
+            parts=frozenset({checkpoint_code.PROCESSOR}),
+            trust_remote_code=bool(server_args.trust_remote_code),
+        )
+    except (checkpoint_code.CheckpointCodeUnloadable, ValueError) as error:
+        raise SystemExit(f"MOSS-VL start-up refused: {error}") from None
+
+
 PATCHES = (
     Patch(
         title="A published MOSS-VL checkpoint whose processor code cannot load gets ours",
@@ -86,6 +104,25 @@ PATCHES = (
             "`moss_vl` to `MossVLProcessor.from_checkpoint` (`mossvl_ascend.processor`) for that call only. Forcing "
             "the checkpoint's code when it cannot import fails start-up with an error naming the transformers "
             "version config.json says it needs. Any other checkpoint: stock."
+        ),
+        upstream="open: stock 0.5.23 loads the checkpoint's remote processor (no MOSS-VL processor of its own)",
+        remove_when="the published checkpoints ship remote code that loads under the transformers sglang pins",
+    ),
+    Patch(
+        title="Forcing a published MOSS-VL checkpoint's own code that cannot load stops the server with one line",
+        target="sglang.srt.entrypoints.http_server.launch_server",
+        kind=HookType.BEFORE,
+        hook=refuse_unloadable_forced_code,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "with `MOSSVL_REMOTE_CODE=checkpoint` on a checkpoint whose code cannot import, the processor hook's "
+            "error would surface as a traceback from the tokenizer manager and the schedulers, each loading the "
+            "processor"
+        ),
+        how=(
+            "before `launch_server` starts any process, the same decision (`mossvl_ascend.checkpoint_code`) runs for "
+            "a MOSS-VL checkpoint; an unloadable forced choice exits with the message naming the transformers version "
+            "config.json says it needs, no traceback. Everything else: stock, unchanged"
         ),
         upstream="open: stock 0.5.23 loads the checkpoint's remote processor (no MOSS-VL processor of its own)",
         remove_when="the published checkpoints ship remote code that loads under the transformers sglang pins",
