@@ -96,34 +96,47 @@ def load_frame(path: str, media_root: Path) -> Image.Image:
         return image.convert("RGB")
 
 
-class ReplyCollector:
-    """Turns the session's output pieces into replies: a reply is the text between round markers and silences,
+class Replies:
+    """The replies of one sample: a reply is the text of one turn (between round markers, silences and interrupts),
     timed at the newest frame pushed when its first piece arrived."""
 
-    def __init__(self, session: Any):
-        self.session = session
+    def __init__(self):
         self.replies: list[dict] = []
         self.current: Optional[dict] = None
+
+    def end_turn(self) -> None:
+        self.current = None
+
+    def add_text(self, piece: str, now: float) -> None:
+        text = CONTROL_PIECE.sub("", piece)
+        if not text:
+            return
+        if self.current is None:
+            self.current = {"role": "assistant", "content": "", "time": now}
+            self.replies.append(self.current)
+        self.current["content"] += text
+
+    def finished(self) -> list[dict]:
+        for reply in self.replies:
+            reply["content"] = reply["content"].strip()
+        return [reply for reply in self.replies if reply["content"]]
+
+
+class ReplyCollector(Replies):
+    """Replies from the transformers session's output pieces."""
+
+    def __init__(self, session: Any):
+        super().__init__()
+        self.session = session
 
     def collect(self, now: float) -> None:
         while (piece := self.session.poll_output(0)) is not None:
             if piece.startswith(ERROR_PREFIX):
                 raise RuntimeError(piece[len(ERROR_PREFIX) :])
             if piece in (SILENCE, ROUND_START):
-                self.current = None
-                continue
-            text = CONTROL_PIECE.sub("", piece)
-            if not text:
-                continue
-            if self.current is None:
-                self.current = {"role": "assistant", "content": "", "time": now}
-                self.replies.append(self.current)
-            self.current["content"] += text
-
-    def finished(self) -> list[dict]:
-        for reply in self.replies:
-            reply["content"] = reply["content"].strip()
-        return [reply for reply in self.replies if reply["content"]]
+                self.end_turn()
+            else:
+                self.add_text(piece, now)
 
 
 def settle(session: Any, settle_seconds: float, timeout: float) -> None:
@@ -204,14 +217,13 @@ def replay_sample(model: Any, processor: Any, sample: dict, options: argparse.Na
     return sample_record(sample, records, collector.finished())
 
 
-class ServedReplies:
+class ServedReplies(Replies):
     """Replies from a served session's events: the text deltas of a turn (a turn ends at its silence or when a
     prompt interrupts it), timed like :class:`ReplyCollector`'s."""
 
     def __init__(self, client: Any):
+        super().__init__()
         self.client, self.seen = client, 0
-        self.replies: list[dict] = []
-        self.current: Optional[dict] = None
 
     def collect(self, now: float) -> None:
         events = [received.event for received in self.client.events[self.seen :]]
@@ -221,20 +233,9 @@ class ServedReplies:
             if kind == "error":
                 raise RuntimeError(f"server error {event.get('code')}: {event.get('message')}")
             if kind in ("response.turn.silence", "response.turn.interrupted", "response.done"):
-                self.current = None
+                self.end_turn()
             elif kind == "response.text.delta":
-                text = CONTROL_PIECE.sub("", event["delta"])
-                if not text:
-                    continue
-                if self.current is None:
-                    self.current = {"role": "assistant", "content": "", "time": now}
-                    self.replies.append(self.current)
-                self.current["content"] += text
-
-    def finished(self) -> list[dict]:
-        for reply in self.replies:
-            reply["content"] = reply["content"].strip()
-        return [reply for reply in self.replies if reply["content"]]
+                self.add_text(event["delta"], now)
 
 
 async def replay_sample_served(url: str, sample: dict, options: argparse.Namespace) -> dict:
