@@ -27,7 +27,7 @@ from moss_vl_reference.tiny_checkpoint import build_or_reuse
 from realtime_inference import replay_proactive_videoqa as replay
 from serving.fleet import ROUTED_WORKER_HEADER, Fleet
 from serving.realtime_client import GATEWAY_PATH, RealtimeClient, realtime_url
-from support.realtime import SCRIPTS, TURN_LIMIT, noise_image, reference_generated, served_turn_texts, turn_texts
+from support.realtime import SCRIPTS, TURN_LIMIT, play, reference_generated, served_turn_texts, turn_texts
 from support.serving import CASES, GREEDY, TOKEN_IDS, load_reference, reference_ids, to_openai
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.random_order(disabled=True)]
@@ -142,15 +142,8 @@ async def open_session(url: str) -> RealtimeClient:
     return client
 
 
-async def play(client: RealtimeClient, script) -> RealtimeClient:
-    for action in script:
-        if action[0] == "frame":
-            seq_no = await client.frame(noise_image(action[2]), action[1])
-        elif action[0] == "prompt":
-            seq_no = await client.prompt(action[1])
-        else:
-            seq_no = await client.frame(noise_image(action[3]), action[2], prompt=action[1])
-        await client.settle(seq_no)
+async def play_and_close(client: RealtimeClient, script) -> RealtimeClient:
+    await play(client, script)
     await client.close()
     return client
 
@@ -162,7 +155,7 @@ def test_four_realtime_sessions_through_the_gateway_equal_the_reference_and_leav
     async def all_sessions():
         # Opened one after another, then played together.
         clients = [await open_session(url) for _ in names]
-        return await asyncio.gather(*(play(client, SCRIPTS[name]) for client, name in zip(clients, names)))
+        return await asyncio.gather(*(play_and_close(client, SCRIPTS[name]) for client, name in zip(clients, names)))
 
     before = [worker_sessions(server) for server in fleet.servers]
     clients = dict(zip(names, asyncio.run(all_sessions())))

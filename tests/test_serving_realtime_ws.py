@@ -33,6 +33,7 @@ from support.realtime import (
     TURN_LIMIT,
     frames_of,
     noise_image,
+    play,
     reference_generated,
     segment_text,
     served_turn_texts,
@@ -86,18 +87,6 @@ def reference(checkpoint):
     }
     ordinary = reference_ids(model, processor, ALONGSIDE)[1]
     return {"streams": streams, "ordinary": ordinary, "tokenizer": processor.tokenizer}
-
-
-async def play(client: RealtimeClient, actions) -> None:
-    """Each action of a script in turn, waiting for the turn it starts to end."""
-    for action in actions:
-        if action[0] == "frame":
-            seq_no = await client.frame(noise_image(action[2]), action[1])
-        elif action[0] == "prompt":
-            seq_no = await client.prompt(action[1])
-        else:
-            seq_no = await client.frame(noise_image(action[3]), action[2], prompt=action[1])
-        await client.settle(seq_no)
 
 
 async def drive_client(client: RealtimeClient, script) -> None:

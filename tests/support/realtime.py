@@ -54,6 +54,19 @@ def frames_of(action) -> int:
     return 0 if action[0] == "prompt" else 1
 
 
+async def play(client, actions) -> None:
+    """Each action of a script through a realtime client (``serving.realtime_client.RealtimeClient``) in turn,
+    waiting for the turn it starts to end."""
+    for action in actions:
+        if action[0] == "frame":
+            seq_no = await client.frame(noise_image(action[2]), action[1])
+        elif action[0] == "prompt":
+            seq_no = await client.prompt(action[1])
+        else:
+            seq_no = await client.frame(noise_image(action[3]), action[2], prompt=action[1])
+        await client.settle(seq_no)
+
+
 def reference_generated(model, processor, script, frame_window_seconds=None) -> list[int]:
     """Every token the reference stream chose for ``script`` (with a frame window of that many seconds)."""
     return list(reference_session(model, processor, script, frame_window_seconds).generated)
