@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from moss_vl_reference.tiny_checkpoint import PRESETS, build_config, build_or_reuse, build_tokenizer
 from mossvl_ascend import checkpoint_code
 from serving.launch import engine_env, free_port, server_command
+from support.serving import CASES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ASSETS = REPO_ROOT / "tests" / "assets"
@@ -337,27 +338,8 @@ def test_realtime_runner_drives_our_session_on_the_real_layout(real_layout, orac
 
 # ------------------------------------------------------------------------------------------ served by sglang
 
-SERVED_CASES = {
-    "image": [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image", "image": str(ASSETS / "square_64.png")},
-                {"type": "text", "text": "What is in this image?"},
-            ],
-        }
-    ],
-    "video": [
-        {
-            "role": "user",
-            "content": [
-                {"type": "video", "video": str(ASSETS / "moving_square_3s.mp4")},
-                {"type": "text", "text": "What moves in this video?"},
-            ],
-        }
-    ],
-    "text_only": [{"role": "user", "content": "Tell me about cats."}],
-}
+# The served suite's own cases (support/serving.py), under this module's names.
+SERVED_CASES = {"image": CASES["image_data_url"], "video": CASES["video"], "text_only": CASES["text_only"]}
 # fp32 for token parity; the NPU's page size; start-up runs stock's warm-up image request through our processor.
 SERVED_ARGS = ["--dtype", "float32", "--page-size", "128"]
 

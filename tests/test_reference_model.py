@@ -213,16 +213,7 @@ def test_batch_of_two_equals_each_alone(model, processor):
     batch = processor(text=[first, second], images=images, videos=[video])
     alone = [processor(text=first, images=images[:1]), processor(text=second, images=images[1:], videos=[video])]
     assert batch["media_nums_per_sample"] == [1, 2]
-    batched = model.generate(**batch, max_new_tokens=8, eos_token_id=[])
-    batch_logits = logits_of_batch(model, batch)
-    width = batch["input_ids"].shape[1]
-    for row, single in enumerate(alone):
-        length = single["input_ids"].shape[1]
-        assert torch.equal(batched[row, width - length : width], single["input_ids"][0])
-        assert torch.equal(
-            batched[row, width:], model.generate(**single, max_new_tokens=8, eos_token_id=[])[0, length:]
-        )
-        torch.testing.assert_close(batch_logits[row, width - length :], logits_of(model, single), rtol=1e-5, atol=1e-5)
+    assert_each_row_equals_its_sample_alone(model, batch, alone, max_new_tokens=8)
 
 
 def test_a_text_only_sample_batches_with_a_media_sample(model, processor):
@@ -234,14 +225,19 @@ def test_a_text_only_sample_batches_with_a_media_sample(model, processor):
     batch = processor(text=[first, second], images=[image])
     alone = [processor(text=first), processor(text=second, images=[image])]
     assert batch["media_nums_per_sample"] == [1, 1] and alone[0]["media_nums_per_sample"] == [1]
-    batched = model.generate(**batch, max_new_tokens=6, eos_token_id=[])
+    assert_each_row_equals_its_sample_alone(model, batch, alone, max_new_tokens=6)
+
+
+def assert_each_row_equals_its_sample_alone(model, batch, alone, max_new_tokens):
+    """Row r of the left-padded ``batch``: the same prompt ids, greedy tokens and logits as ``alone[r]`` run alone."""
+    batched = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=[])
     batch_logits = logits_of_batch(model, batch)
     width = batch["input_ids"].shape[1]
     for row, single in enumerate(alone):
         length = single["input_ids"].shape[1]
         assert torch.equal(batched[row, width - length : width], single["input_ids"][0])
         assert torch.equal(
-            batched[row, width:], model.generate(**single, max_new_tokens=6, eos_token_id=[])[0, length:]
+            batched[row, width:], model.generate(**single, max_new_tokens=max_new_tokens, eos_token_id=[])[0, length:]
         )
         torch.testing.assert_close(batch_logits[row, width - length :], logits_of(model, single), rtol=1e-5, atol=1e-5)
 
