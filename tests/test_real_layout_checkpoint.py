@@ -31,7 +31,6 @@ from serving.launch import engine_env, free_port, server_command
 from support.serving import CASES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-ASSETS = REPO_ROOT / "tests" / "assets"
 EXAMPLES = REPO_ROOT / "inference" / "examples"
 RUN_INFERENCE = REPO_ROOT / "inference" / "run_inference.py"
 OURS_LINE = "loading with this project's MOSS-VL code (its own code cannot load here, written for transformers 4.57.1"
