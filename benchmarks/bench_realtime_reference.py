@@ -71,9 +71,7 @@ class StreamDriver:
     def frame_step(self) -> float:
         index = self.stream.frames_seen
         image_processor = self.processor.image_processor
-        pixels, grid = image_processor.patchify_frames(
-            [noise_frame(index, self.size)], image_processor.video_max_pixels
-        )
+        pixels, grid = image_processor.realtime_frame(noise_frame(index, self.size))
         frame = StreamFrame(pixels, grid, float(index))
         token = int(self.logits.argmax())
         started = time.perf_counter()

@@ -367,7 +367,7 @@ def long_reference(checkpoint):
     script = tuple(("frame", float(i), 1000 + i) for i in range(LONG_STREAM_FRAMES))
     tokens = reference_generated(model, processor, script, WINDOW_FRAMES - 0.5)
     image_processor = processor.image_processor
-    _, grid = image_processor.patchify_frames([noise_image(0)], image_processor.video_max_pixels)
+    _, grid = image_processor.realtime_frame(noise_image(0))
     merge = model.config.vision_config.spatial_merge_size
     return {"tokens": tokens, "frame_tokens": grid[1] * grid[2] // merge**2 + 1, "tokenizer": processor.tokenizer}
 

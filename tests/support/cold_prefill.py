@@ -18,7 +18,7 @@ def cold_logits(model, processor, tokens: list[int], images: list[Image.Image], 
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if images:
         image_processor = processor.image_processor
-        patches = [image_processor.patchify_frames([image], image_processor.video_max_pixels) for image in images]
+        patches = [image_processor.realtime_frame(image) for image in images]
         pad = model.config.image_token_id
         seen = torch.cumsum(ids[0] == pad, 0).tolist()
         mask = torch.ones(1, 1, len(tokens), len(images), dtype=torch.bool)

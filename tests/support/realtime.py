@@ -144,9 +144,7 @@ def replay_mismatches(model, processor, segments, generated, images, frame_windo
         step_tokens = [next(tokens) for _ in range(count)]
         frames = []
         for ts in timestamps:
-            pixels, grid = image_processor.patchify_frames(
-                [images[ts].convert("RGB")], image_processor.video_max_pixels
-            )
+            pixels, grid = image_processor.realtime_frame(images[ts].convert("RGB"))
             frames.append(StreamFrame(pixels, grid, ts))
         logits = stream.append(pending + list(rows), frames)
         for k, token in enumerate(step_tokens):

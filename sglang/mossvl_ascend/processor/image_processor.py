@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from PIL import Image
 from transformers import BaseImageProcessor, BatchFeature
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
@@ -197,15 +196,6 @@ class MossVLImageProcessor(BaseImageProcessor):
         images, one ``<|image|>`` each, so a frame is sized by the image rule, not the video one: here one image of
         a call, ``[size.shortest_edge, min(multi_image_max_pixels, size.longest_edge)]`` pixels."""
         return self.images([frame])[0]
-
-    def patchify_frames(self, frames: Sequence[Image.Image], max_pixels: Optional[int]) -> tuple[torch.Tensor, list]:
-        """Frames of one medium resized like one image capped at ``max_pixels`` (None: the video frame maximum):
-        how the realtime stream turns a pushed frame into patches."""
-        stacked = torch.stack([image_tensor(load_image(frame)) for frame in frames])
-        self.check_input_size(*stacked.shape[-2:])
-        limit = self.video_size["longest_edge"] if max_pixels is None else max_pixels
-        patchify = self.patchifier
-        return patchify(stacked, *smart_resize(*stacked.shape[-2:], patchify.factor, self.min_pixels, limit))
 
     def blank_frame(self) -> tuple[torch.Tensor, list[int]]:
         return blank_frame(self.patch_size, self.merge_size, self.temporal_patch_size)
