@@ -5,10 +5,12 @@ first principles and (b) qwen3's own CPU path (``RMSNorm`` + ``RotaryEmbedding.f
 fed by ``get_cos_sin_with_position``, the call qwen3's NPU path makes), in fp32.
 
 Imports: a fresh interpreter simulates an Ascend host with a broken ``sgl_kernel_npu``
-(``tests/support/simulated_npu.py``, labelled stand-ins throughout).
+(``tests/support/simulated_npu.py``, labelled stand-ins throughout). The import checks' interpreters start together
+(each imports sglang on one core for ~13 s); each test reads only its own.
 """
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -22,14 +24,36 @@ STARTUP_IMPORTS = [
 ]
 
 
-def test_broken_kernel_blocks_startup_imports_without_plugin(tmp_path):
-    report = run_simulated_npu(tmp_path, STARTUP_IMPORTS, register_plugin=False)
+# The entry modules ``sglang.launch_server`` and ``run_scheduler_process`` import before they call ``load_plugins()``.
+ENTRY_MODULES_CODE = (
+    "import sys, sglang.launch_server, sglang.srt.managers.scheduler;"
+    "print('QWEN3_LOADED', 'sglang.srt.models.qwen3' in sys.modules)"
+)
+
+
+@pytest.fixture(scope="module")
+def fresh_interpreters(tmp_path_factory):
+    """The module's fresh-interpreter checks, started at once: name -> a future of its report (or process)."""
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        yield {
+            "without_plugin": pool.submit(
+                run_simulated_npu, tmp_path_factory.mktemp("without_plugin"), STARTUP_IMPORTS, register_plugin=False
+            ),
+            "with_plugin": pool.submit(
+                run_simulated_npu, tmp_path_factory.mktemp("with_plugin"), STARTUP_IMPORTS, register_plugin=True
+            ),
+            "entry_modules": pool.submit(run_python, ENTRY_MODULES_CODE),
+        }
+
+
+def test_broken_kernel_blocks_startup_imports_without_plugin(fresh_interpreters):
+    report = fresh_interpreters["without_plugin"].result()
     for name in STARTUP_IMPORTS:
         assert "triton.language.extra.cann" in report["imported"][name], name
 
 
-def test_plugin_unblocks_startup_imports_with_one_warning(tmp_path):
-    report = run_simulated_npu(tmp_path, STARTUP_IMPORTS, register_plugin=True)
+def test_plugin_unblocks_startup_imports_with_one_warning(fresh_interpreters):
+    report = fresh_interpreters["with_plugin"].result()
     assert report["imported"] == {name: "ok" for name in STARTUP_IMPORTS}
     assert report["qwen3_uses_fallback"]
     assert len(report["plugin_warnings"]) == 1
@@ -153,13 +177,9 @@ def test_fallback_matches_qwen3_native_prepare_path():
     torch.testing.assert_close(v, v_raw)
 
 
-def test_entry_modules_do_not_import_qwen3_before_plugins_load():
+def test_entry_modules_do_not_import_qwen3_before_plugins_load(fresh_interpreters):
     """The fallback is installed by ``load_plugins()``, which ``sglang.launch_server``'s main and
     ``run_scheduler_process`` call after importing their own modules: those imports must not
     reach ``models/qwen3.py`` (the HTTP server module, which does, is imported after)."""
-    code = (
-        "import sys, sglang.launch_server, sglang.srt.managers.scheduler;"
-        "print('QWEN3_LOADED', 'sglang.srt.models.qwen3' in sys.modules)"
-    )
-    proc = run_python(code)
+    proc = fresh_interpreters["entry_modules"].result()
     assert "QWEN3_LOADED False" in proc.stdout, proc.stderr[-3000:]

@@ -1,15 +1,19 @@
 """The plugin loads exactly as production loads it: sglang's entry-point discovery in a fresh interpreter.
 
 Each case runs ``sglang.srt.plugins.load_plugins()`` in a subprocess (the CPU environment, no torch_npu) and
-reports which hooks our plugin registered and whether sglang's HookRegistry applied every one of them.
+reports which hooks our plugin registered and whether sglang's HookRegistry applied every one of them. The cases'
+interpreters start together (each imports sglang on one core for ~12 s); each test reads only its own.
 """
 
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import entry_points
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +47,17 @@ def run_probe(extra_env: dict[str, str]) -> tuple[dict, str]:
     return json.loads(line[len("PROBE") :]), proc.stderr
 
 
+# Each case's extra environment.
+CASES = {"cpu": {}, "whitelist_without_us": {"SGLANG_PLUGINS": "smg-zmq"}}
+
+
+@pytest.fixture(scope="module")
+def probes():
+    """Every case's probe, started at once: case name -> a future of ``run_probe``'s result."""
+    with ThreadPoolExecutor(max_workers=len(CASES)) as pool:
+        yield {name: pool.submit(run_probe, env) for name, env in CASES.items()}
+
+
 def test_entry_point_is_registered():
     names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
     assert names.get("mossvl_ascend") == "mossvl_ascend:register"
@@ -55,8 +70,8 @@ def cpu_hook_patches():
     return [p for p in all_patches() if CPU in p.platforms and p.kind != IMPORT_FALLBACK and p.requires_module is None]
 
 
-def test_load_plugins_applies_exactly_the_catalog_hooks_for_cpu():
-    report, log = run_probe({})
+def test_load_plugins_applies_exactly_the_catalog_hooks_for_cpu(probes):
+    report, log = probes["cpu"].result()
     assert "Executed general plugin: mossvl_ascend" in log
     assert "Failed to execute general plugin: mossvl_ascend" not in log
     assert report["unapplied"] == [], f"hooks registered but not applied: {report['unapplied']}\n{log[-3000:]}"
@@ -66,8 +81,8 @@ def test_load_plugins_applies_exactly_the_catalog_hooks_for_cpu():
         assert f"mossvl_ascend: {patch.title}: {patch.kind.value} hook on {patch.target}" in log
 
 
-def test_sglang_plugins_whitelist_excludes_us():
-    report, log = run_probe({"SGLANG_PLUGINS": "smg-zmq"})
+def test_sglang_plugins_whitelist_excludes_us(probes):
+    report, log = probes["whitelist_without_us"].result()
     assert "Skipping plugin mossvl_ascend (not in SGLANG_PLUGINS)" in log
     assert "Executed general plugin: mossvl_ascend" not in log
     assert report["ours"] == []
