@@ -5,11 +5,13 @@ simulated-NPU import harness is ``tests/support/simulated_npu.py``.
 """
 
 import contextlib
+import functools
 from types import SimpleNamespace
 
 import pytest
 
 from support.simulated_npu import run_simulated_npu
+from support.together import started_together
 
 PROFILER_MODULES = [
     "sglang.srt.utils.profile_utils",
@@ -22,18 +24,29 @@ PROFILER_PATCH_NAMES = [
 ]
 
 
-def test_profiler_modules_import_on_torch_npu_2_8(tmp_path):
+@pytest.fixture(scope="module")
+def profiler_imports(tmp_path_factory):
+    """The profiler modules imported on each torch-npu stand-in's patch API, in fresh interpreters started at once."""
+    runs = {
+        api: functools.partial(
+            run_simulated_npu, tmp_path_factory.mktemp(api), PROFILER_MODULES, False, torch_npu_patch_api=api
+        )
+        for api in ("apply_patches", "apply_all_patches")
+    }
+    with started_together(runs) as futures:
+        yield futures
+
+
+def test_profiler_modules_import_on_torch_npu_2_8(profiler_imports):
     """torch-npu 2.8 stand-in: only ``_apply_patches(patches)`` exists, and gets the list."""
-    report = run_simulated_npu(tmp_path, PROFILER_MODULES, register_plugin=False, torch_npu_patch_api="apply_patches")
+    report = profiler_imports["apply_patches"].result()
     assert report["imported"] == {name: "ok" for name in PROFILER_MODULES}
     assert report["patch_calls"] == [["_apply_patches", PROFILER_PATCH_NAMES]] * 2
 
 
-def test_profiler_modules_import_on_torch_npu_2_10(tmp_path):
+def test_profiler_modules_import_on_torch_npu_2_10(profiler_imports):
     """torch-npu 2.10+ stand-in: only ``_apply_all_patches()`` exists."""
-    report = run_simulated_npu(
-        tmp_path, PROFILER_MODULES, register_plugin=False, torch_npu_patch_api="apply_all_patches"
-    )
+    report = profiler_imports["apply_all_patches"].result()
     assert report["imported"] == {name: "ok" for name in PROFILER_MODULES}
     assert report["patch_calls"] == [["_apply_all_patches"]] * 2
 

@@ -9,14 +9,15 @@ Imports: a fresh interpreter simulates an Ascend host with a broken ``sgl_kernel
 (each imports sglang on one core for ~13 s); each test reads only its own.
 """
 
+import functools
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from mossvl_ascend.patches import npu_imports
 from support.simulated_npu import run_python, run_simulated_npu
+from support.together import started_together
 
 STARTUP_IMPORTS = [
     "sglang.srt.models.qwen3",
@@ -34,16 +35,14 @@ ENTRY_MODULES_CODE = (
 @pytest.fixture(scope="module")
 def fresh_interpreters(tmp_path_factory):
     """The module's fresh-interpreter checks, started at once: name -> a future of its report (or process)."""
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        yield {
-            "without_plugin": pool.submit(
-                run_simulated_npu, tmp_path_factory.mktemp("without_plugin"), STARTUP_IMPORTS, register_plugin=False
-            ),
-            "with_plugin": pool.submit(
-                run_simulated_npu, tmp_path_factory.mktemp("with_plugin"), STARTUP_IMPORTS, register_plugin=True
-            ),
-            "entry_modules": pool.submit(run_python, ENTRY_MODULES_CODE),
-        }
+    runs = {
+        f"{plugin}_plugin": functools.partial(
+            run_simulated_npu, tmp_path_factory.mktemp(plugin), STARTUP_IMPORTS, register_plugin=plugin == "with"
+        )
+        for plugin in ("with", "without")
+    }
+    with started_together({**runs, "entry_modules": functools.partial(run_python, ENTRY_MODULES_CODE)}) as futures:
+        yield futures
 
 
 def test_broken_kernel_blocks_startup_imports_without_plugin(fresh_interpreters):

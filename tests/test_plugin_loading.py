@@ -5,15 +5,17 @@ reports which hooks our plugin registered and whether sglang's HookRegistry appl
 interpreters start together (each imports sglang on one core for ~12 s); each test reads only its own.
 """
 
+import functools
 import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+
+from support.together import started_together
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,8 +56,8 @@ CASES = {"cpu": {}, "whitelist_without_us": {"SGLANG_PLUGINS": "smg-zmq"}}
 @pytest.fixture(scope="module")
 def probes():
     """Every case's probe, started at once: case name -> a future of ``run_probe``'s result."""
-    with ThreadPoolExecutor(max_workers=len(CASES)) as pool:
-        yield {name: pool.submit(run_probe, env) for name, env in CASES.items()}
+    with started_together({name: functools.partial(run_probe, env) for name, env in CASES.items()}) as futures:
+        yield futures
 
 
 def test_entry_point_is_registered():
