@@ -63,7 +63,12 @@ SERVED_WITHOUT_POOL = {
 }
 # Served modules whose servers the pool shares, in the order that lets each borrow the one before's (the other
 # served modules follow, by name; modules with no served test run first, in collection order).
-SHARED_SERVER_ORDER = ["test_serving.py", "test_serving_cache.py"]
+SHARED_SERVER_ORDER = [
+    "test_serving.py",
+    "test_serving_cache.py",  # borrows test_serving.py's page-1 and page-128 servers
+    "test_serving_paged.py",
+    "test_serving_chunked.py",  # borrows the paged module's last server, the unchunked page-1 baseline
+]
 # At most this many servers alive at once (more only while every one is in use): ~1.5 GB each.
 POOL_MAX_ALIVE = 2
 TIMINGS_PATH = REPO_ROOT / "build" / "test-timings.json"

@@ -35,6 +35,7 @@ from support.serving import (
     CASES,
     GREEDY,
     MAX_TOKENS,
+    UNCHUNKED_PAGE_ONE_ARGS,
     chat_logprobs,
     kv_load,
     load_reference,
@@ -53,9 +54,6 @@ pytestmark = pytest.mark.timeout(1800)
 
 PARITY_ORDER = ["image_data_url", "two_images", "three_turns", "video", "text_only", "same_images_shifted"]
 BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup"]
-# An explicit -1 makes stock CPU memory resolution compute a negative --mem-fraction-static (it sizes activation
-# memory from the chunk size); the value stock resolves with its default chunk size is given instead.
-UNCHUNKED = ["--chunked-prefill-size", "-1", "--mem-fraction-static", "0.71"]
 ONE_ROW_CONFIGS = {
     "radix": ["--chunked-prefill-size", "1"],
     "no_radix": ["--chunked-prefill-size", "1", "--disable-radix-cache"],
@@ -156,7 +154,8 @@ def short_ttft_median(results: dict) -> float:
 @pytest.fixture(scope="module")
 def unchunked(checkpoint, processor, reference, server_pool):
     """Baseline figures of the unchunked server: prompt logprobs per case, short-request TTFT under load."""
-    with server_pool.lease(checkpoint, BASE_ARGS + UNCHUNKED, name="chunked-baseline") as server:
+    # The paged module's page-1 baseline server (the pool lends it when that module ran just before).
+    with server_pool.lease(checkpoint, UNCHUNKED_PAGE_ONE_ARGS, name="chunked-baseline") as server:
         client, model_name = openai_client(server)
         logprobs = all_prompt_logprobs(server, processor)
         load = run_load(client, model_name, streamed_ttft)

@@ -4,11 +4,12 @@ At page size 128 a request's encoder (vision) slots and its text slots share pag
 of an encoder-decoder request (extend, chunked continuation, decode, the decode rows of a mixed chunk, retraction and
 resumption) must address the whole row ``[encoder | text]``. Servers run one at a time:
 
-* ``page1``: page size 1, unchunked: the baseline for prompt and decode logprobs;
 * ``page128`` with ``--chunked-prefill-size 256 --enable-mixed-chunk``, radix cache on and off: the long prompts
   (~300 rows) are cut into two-page chunks and decode rows ride with other requests' chunks;
 * the same with sglang's retraction test switch, radix cache on and off: running requests lose their KV and are
-  prefilled again, at page 128.
+  prefilled again, at page 128;
+* ``page1``: page size 1, unchunked: the baseline for prompt and decode logprobs, started last so that the chunked
+  module, next in the session, borrows it from the server pool as its own unchunked baseline.
 
 Oracles: greedy ids of the reference transformers model in fp32 (computed before any server starts), and the page-1
 server's logprobs (1e-5). The radix-cache figures (hits, repeated answers equal) are written to
@@ -25,6 +26,7 @@ import pytest
 from serving.launch import REPO_ROOT
 from support.serving import (
     CASES,
+    UNCHUNKED_PAGE_ONE_ARGS,
     cached_tokens,
     chat_logprobs,
     load_reference,
@@ -46,7 +48,6 @@ PAGED_CASES = {name: CASES[name] for name in PARITY_ORDER} | {
     **{f"short{i}": short_case(i) for i in range(4)},
 }
 BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"]
-PAGE_ONE = ["--page-size", "1", "--chunked-prefill-size", "-1", "--mem-fraction-static", "0.71"]
 # Two pages per chunk: with --enable-mixed-chunk stock takes one token per running request off the chunk budget
 # and rounds a new request up to whole pages, so a one-page budget admits nothing while any request decodes.
 PAGE_128_CHUNKED = ["--page-size", "128", "--chunked-prefill-size", "256", "--enable-mixed-chunk"]
@@ -81,13 +82,7 @@ def all_logprobs(server, processor) -> dict:
 
 
 @pytest.fixture(scope="module")
-def page_one(checkpoint, processor, reference, server_pool):
-    with server_pool.lease(checkpoint, BASE_ARGS + PAGE_ONE, name="paged-page1") as server:
-        return all_logprobs(server, processor)
-
-
-@pytest.fixture(scope="module")
-def page_128(checkpoint, processor, reference, page_one, server_pool):
+def page_128(checkpoint, processor, reference, server_pool):
     """Per radix setting: all cases at once (REPEATS + 1 rounds with the radix cache on), then logprobs one by one."""
     results = {}
     for config, flags in RADIX.items():
@@ -115,6 +110,14 @@ def retracting(checkpoint, reference, page_128, server_pool):
             retracted = retractions(server)
         results[config] = {"served": served, "retracted": retracted}
     return results
+
+
+@pytest.fixture(scope="module")
+def page_one(checkpoint, processor, reference, retracting, server_pool):
+    """Started after the page-128 servers: this module's last server is the one the chunked module (next in the
+    session's order) borrows as its unchunked baseline."""
+    with server_pool.lease(checkpoint, UNCHUNKED_PAGE_ONE_ARGS, name="paged-page1") as server:
+        return all_logprobs(server, processor)
 
 
 def assert_tokens_equal_the_reference(served: dict, reference: dict) -> None:

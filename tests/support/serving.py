@@ -24,6 +24,23 @@ MAX_TOKENS = 10
 GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
 # sglang extensions: return ids, never stop early, report radix-cache hits.
 TOKEN_IDS = {"return_token_ids": True, "return_prompt_token_ids": True, "ignore_eos": True}
+# The logprob baseline of the paged and the chunked modules: fp32 at page 1, prefill never chunked, one server lent
+# to both by the pool. An explicit ``--chunked-prefill-size -1`` makes stock CPU memory resolution compute a negative
+# ``--mem-fraction-static`` (it sizes activation memory from the chunk size): the value stock resolves with its default
+# chunk size is given instead. ``--page-size 1`` is the CPU default; ``--enable-cache-report`` only adds the cached
+# token count to each answer's usage.
+UNCHUNKED_PAGE_ONE_ARGS = [
+    "--dtype",
+    "float32",
+    "--skip-server-warmup",
+    "--enable-cache-report",
+    "--page-size",
+    "1",
+    "--chunked-prefill-size",
+    "-1",
+    "--mem-fraction-static",
+    "0.71",
+]
 
 
 def image(name: str, text: str) -> dict:
