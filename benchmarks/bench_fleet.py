@@ -144,7 +144,7 @@ def routing_overhead_ms(fleet: Fleet, probes: int) -> tuple[float, float]:
 
 def cached_ratio(fleet: Fleet, policy: str, conversations: int, max_tokens: int) -> tuple[float, int]:
     """(cached prompt tokens / prompt tokens, conversations whose turns all went to one worker)."""
-    fleet.use_policy(policy)
+    fleet.restart_gateway(policy=policy)
     for server in fleet.servers:
         requests.post(f"{server.base_url}/flush_cache", timeout=60)
     histories = {c: [SYSTEM] for c in range(conversations)}

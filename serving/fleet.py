@@ -7,6 +7,12 @@ registered through smg's ``POST /workers``, labelled ``realtime=true`` (smg rela
 with that label). Worker health is probed every ``health_interval_s`` seconds and one failed probe ejects a worker,
 so a dead worker stops receiving requests within about a second (the default is a probe a minute, three failures).
 
+Realtime sessions: smg 1.13 places a WebSocket session on the realtime worker with the fewest HTTP requests in flight
+through it and does not count open sessions (``docs/scale-out.md``), so without more every session lands on one worker.
+What moves them is smg's overload veto: it polls each worker's ``/v1/loads`` every ``load_poll_s`` seconds and leaves
+out of routing a worker whose KV token usage is at or above ``kv_ceiling`` (a parked session holds its KV, so the
+report counts it). Sessions fill one worker up to the ceiling, then go to the next.
+
     python -m serving.fleet --model-path DIR [--workers 2] [--policy cache_aware] [--api-key KEY] [-- sglang args]
 
 runs the fleet in the foreground (``make serve-fleet``), prints the gateway's and the workers' URLs, and stops all
@@ -62,6 +68,9 @@ class Fleet:
     # sglang's /health runs a one-token generation: 1.0 s on an idle CPU worker, over 5 s on a loaded one (both
     # measured; each timeout ejected a live worker). A dead worker refuses the connection at once, whatever this is.
     health_timeout_s: int = 15
+    # smg polls /v1/loads every 10 s by default: a worker that crossed the ceiling kept taking sessions that long.
+    load_poll_s: int = 1
+    kv_ceiling: float = 0.8
     gateway_port: int | None = None
     name: str = "fleet"
     servers: list[SglangServer] = field(default_factory=list, init=False)
@@ -112,6 +121,8 @@ class Fleet:
         command += ["--health-check-interval-secs", str(self.health_interval_s)]
         command += ["--health-failure-threshold", str(self.health_failure_threshold)]
         command += ["--health-check-timeout-secs", str(self.health_timeout_s), "--log-level", "info"]
+        command += ["--load-monitor-interval", str(self.load_poll_s)]
+        command += ["--worker-overload-token-usage", str(self.kv_ceiling)]
         # smg's metrics listen on 0.0.0.0:29000 by default: a second gateway on the host could not bind it.
         command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         if self.api_key:
@@ -160,10 +171,14 @@ class Fleet:
                 raise TimeoutError(f"smg still lists {worker_url} {timeout_s:.0f} s after its removal")
             time.sleep(0.2)
 
-    def use_policy(self, policy: str) -> None:
-        """A fresh gateway with ``policy`` in front of the same workers (its routing state starts empty)."""
+    def restart_gateway(self, **settings) -> None:
+        """A fresh gateway with ``settings`` (``policy``, ``kv_ceiling``, ...) in front of the same workers (its routing
+        state starts empty)."""
         self.stop_gateway()
-        self.policy = policy
+        for name, value in settings.items():
+            if not hasattr(self, name):
+                raise AttributeError(f"Fleet has no setting {name!r}")
+            setattr(self, name, value)
         self.start_gateway()
         for server in self.servers:
             self.register(server.base_url)
@@ -220,6 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--port", type=int, default=30000, help="the gateway's port (default 30000)")
     parser.add_argument("--api-key", default=None, help="one key between clients, the gateway and the workers")
+    parser.add_argument(
+        "--kv-ceiling",
+        type=float,
+        default=Fleet.kv_ceiling,
+        help="KV token usage at or above which smg sends a worker no new request or realtime session (default 0.8)",
+    )
     args, worker_args = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     fleet = Fleet(
@@ -230,12 +251,14 @@ def main(argv: list[str] | None = None) -> None:
         worker_args=[arg for arg in worker_args if arg != "--"],
         api_key=args.api_key,
         gateway_port=args.port,
+        kv_ceiling=args.kv_ceiling,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with fleet:
         for server in fleet.servers:
             print(f"worker   {server.base_url}   (log {server.log_path})", flush=True)
-        print(f"gateway  {fleet.gateway_url}   (log {fleet.gateway_log}); policy {fleet.policy}", flush=True)
+        print(f"gateway  {fleet.gateway_url}   (log {fleet.gateway_log})", flush=True)
+        print(f"policy {fleet.policy}, KV ceiling {fleet.kv_ceiling}", flush=True)
         print(
             f"OpenAI:   {fleet.gateway_url}/v1    realtime: ws://127.0.0.1:{fleet.gateway_port}/v1/realtime?model=..."
         )
