@@ -34,8 +34,10 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from fake_torch_npu import installed_fake_torch_npu
 from moss_vl_reference.tiny_checkpoint import PRESETS
+from mossvl_ascend import side_channel
 from mossvl_ascend.attention.core import AttentionLayer, attention
 from mossvl_ascend.attention.kv_layout import (
+    ACTIVE_LAYOUT,
     LAYOUT_ENV,
     STOCK_ADDRESSING,
     EncoderAddressing,
@@ -166,7 +168,7 @@ def test_shaped_pool_bytes_never_exceed_the_stock_pool_and_capacities_match_hand
     assert stock_bytes == layers * 2 * (STOCK_TOKENS + page) * KV_HEADS * DIM * 4  # the stock pool as documented
     shaped_bytes = distinct_storage_bytes(pool)
     assert shaped_bytes <= stock_bytes
-    assert pool.mossvl_storage_bytes == shaped_bytes  # the attribute counts the real storage
+    assert side_channel.STORAGE_BYTES.get(pool) == shaped_bytes  # the attribute counts the real storage
     assert pool.mem_usage <= stock.mem_usage  # what /v1/loads and the metrics report
     assert abs(pool.mem_usage * GB - shaped_bytes) < 1
     # Whole pages: one more page of slots would need more token-layers than the stock pool has.
@@ -198,7 +200,7 @@ def test_shaped_pool_bytes_within_the_stock_pool_for_any_budget(name, page):
         stock = stock_pool(stock_tokens, bands.num_layers, page, kv_heads=1, dim=2)
         pool = shaped_pool(bands, slots, page, kv_heads=1, dim=2)
         assert distinct_storage_bytes(pool) <= distinct_storage_bytes(stock), stock_tokens
-        assert pool.mossvl_storage_bytes <= distinct_storage_bytes(stock), stock_tokens
+        assert side_channel.STORAGE_BYTES.get(pool) <= distinct_storage_bytes(stock), stock_tokens
 
 
 @pytest.mark.parametrize("page", [16, 128])
@@ -212,7 +214,7 @@ def test_shaped_npu_pool_bytes_never_exceed_the_stock_npu_pool(name, page, npu_p
     pool = shaped_pool(bands, slots, page, **npu)
     stock_bytes = distinct_storage_bytes(stock)
     assert stock_bytes == bands.num_layers * 2 * (STOCK_TOKENS + page) * KV_HEADS * DIM * 2
-    assert distinct_storage_bytes(pool) == pool.mossvl_storage_bytes <= stock_bytes
+    assert distinct_storage_bytes(pool) == side_channel.STORAGE_BYTES.get(pool) <= stock_bytes
     assert addressing_of_pool(pool) == EncoderAddressing(bands.bands, slots + page)
     for layer_id in range(bands.num_layers):
         rows = bands.bands * (slots + page) if layer_id in bands.cross_layers else slots + page
@@ -508,8 +510,16 @@ def test_wrong_addressing_reads_wrong_keys(page):
 # ----------------------------------------------------------------------------- the forward-side hooks
 
 
-def test_padding_hook_gives_a_request_ceil_e_over_bands_encoder_slots(monkeypatch):
-    monkeypatch.setitem(kv_pool._ACTIVE, "bands", 3)
+@pytest.fixture
+def layout_bands():
+    """Record a layout's bands as this process's (as building a shaped pool does); the previous one after."""
+    previous = ACTIVE_LAYOUT.bands
+    yield ACTIVE_LAYOUT.record
+    ACTIVE_LAYOUT.record(previous)
+
+
+def test_padding_hook_gives_a_request_ceil_e_over_bands_encoder_slots(layout_bands):
+    layout_bands(3)
     pad, text = 9999, [11, 12, 13]
     for vision_tokens, rows in ((10, 4), (9, 3), (1, 1), (0, 0)):
         mm_inputs = SimpleNamespace(num_image_tokens=None)
@@ -522,11 +532,11 @@ def test_padding_hook_gives_a_request_ceil_e_over_bands_encoder_slots(monkeypatc
         assert list(padded) == [pad] * rows + text, vision_tokens
         assert mm_inputs.num_image_tokens == rows
         if vision_tokens:
-            assert getattr(mm_inputs, kv_pool.VISION_TOKENS_ATTRIBUTE) == vision_tokens
+            assert side_channel.VISION_TOKENS.get(mm_inputs) == vision_tokens
 
 
-def test_padding_hook_is_stock_without_a_shaped_pool(monkeypatch):
-    monkeypatch.setattr(kv_pool, "_ACTIVE", {})
+def test_padding_hook_is_stock_without_a_shaped_pool(layout_bands):
+    layout_bands(None)
     mm_inputs = SimpleNamespace(num_image_tokens=None)
 
     def stock_pad(model, input_ids, mm):
@@ -546,12 +556,9 @@ def forward_batch_of(batch: ShapedBatch, cached: list[bool], mode=ForwardMode.EX
         for pool_row, row_len, is_cached in zip(batch.req_pool_indices.tolist(), row_lens, cached)
         if row_len and not is_cached
     ]
-    reqs = [
-        SimpleNamespace(
-            rid=f"r{i}", multimodal_inputs=SimpleNamespace(**{kv_pool.VISION_TOKENS_ATTRIBUTE: r.vision_tokens})
-        )
-        for i, r in enumerate(batch.requests)
-    ]
+    reqs = [SimpleNamespace(rid=f"r{i}", multimodal_inputs=SimpleNamespace()) for i in range(len(batch.requests))]
+    for req, r in zip(reqs, batch.requests):
+        side_channel.VISION_TOKENS.set(req.multimodal_inputs, r.vision_tokens)
     forward_batch = SimpleNamespace(
         forward_mode=mode,
         encoder_lens_cpu=row_lens,
@@ -564,9 +571,9 @@ def forward_batch_of(batch: ShapedBatch, cached: list[bool], mode=ForwardMode.EX
 
 
 @pytest.mark.parametrize("page", [1, 128])
-def test_forward_batch_hook_gives_vision_tokens_and_their_unit_addresses(page, monkeypatch):
+def test_forward_batch_hook_gives_vision_tokens_and_their_unit_addresses(page, layout_bands):
     batch = shaped_batch(page)
-    monkeypatch.setitem(kv_pool._ACTIVE, "bands", batch.bands.bands)
+    layout_bands(batch.bands.bands)
     cached = [False, False, True, False, True, False, False]  # two encoders already in the pool
     forward_batch, schedule_batch, model_runner = forward_batch_of(batch, cached)
     out = kv_pool.vision_tokens_in_the_forward(forward_batch, None, schedule_batch, model_runner)
@@ -638,7 +645,7 @@ def test_layer_bands_of_the_instruct_config():
 
 def video_request(vision_tokens: int, bands: int = 3, prefix_len: int = 0):
     mm_inputs = SimpleNamespace(num_image_tokens=-(-vision_tokens // bands))
-    setattr(mm_inputs, kv_pool.VISION_TOKENS_ATTRIBUTE, vision_tokens)
+    side_channel.VISION_TOKENS.set(mm_inputs, vision_tokens)
     return SimpleNamespace(multimodal_inputs=mm_inputs, prefix_len=prefix_len)
 
 
@@ -652,11 +659,13 @@ def video_request(vision_tokens: int, bands: int = 3, prefix_len: int = 0):
         ([3000], 0, True),  # a text request is never held back
     ],
 )
-def test_a_prefill_batch_takes_at_most_a_chunk_of_new_vision_tokens(monkeypatch, admitted, candidate, joins):
+def test_a_prefill_batch_takes_at_most_a_chunk_of_new_vision_tokens(
+    monkeypatch, layout_bands, admitted, candidate, joins
+):
     """Vision tokens, not slots: three per slot would fit 3x the vision tower's work in one chunk of slots."""
     from sglang.srt.managers.schedule_policy import AddReqResult
 
-    monkeypatch.setitem(kv_pool._ACTIVE, "bands", 3)
+    layout_bands(3)
     monkeypatch.setattr(kv_pool, "_prefill_chunk_tokens", lambda: 4096)
     adder = SimpleNamespace(can_run_list=[video_request(e) for e in admitted])
     candidate_req = video_request(candidate) if candidate else SimpleNamespace(multimodal_inputs=None, prefix_len=0)
@@ -667,10 +676,10 @@ def test_a_prefill_batch_takes_at_most_a_chunk_of_new_vision_tokens(monkeypatch,
     assert (result, calls) == ((AddReqResult.CONTINUE, [candidate_req]) if joins else (AddReqResult.OTHER, []))
 
 
-def test_an_encoder_already_cached_counts_no_vision_tokens(monkeypatch):
+def test_an_encoder_already_cached_counts_no_vision_tokens(monkeypatch, layout_bands):
     from sglang.srt.managers.schedule_policy import AddReqResult
 
-    monkeypatch.setitem(kv_pool._ACTIVE, "bands", 3)
+    layout_bands(3)
     monkeypatch.setattr(kv_pool, "_prefill_chunk_tokens", lambda: 4096)
     adder = SimpleNamespace(can_run_list=[video_request(4000, prefix_len=1334)])  # its next chunk: text only
     result = kv_pool.vision_tokens_per_prefill_within_a_chunk(

@@ -16,7 +16,8 @@ import pytest
 from transformers import AutoProcessor
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
-from mossvl_ascend.patches.realtime_sessions import INTERRUPT_MESSAGE, interrupt_step, step_rid
+from mossvl_ascend.patches.realtime_sessions import interrupt_step
+from mossvl_ascend.realtime.wire import INTERRUPT_MESSAGE, step_rid
 from support.realtime import noise_image, splice_string
 
 TOKEN_S = 0.02

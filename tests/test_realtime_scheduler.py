@@ -1,4 +1,4 @@
-"""The scheduler side of realtime sessions (`mossvl_ascend.patches.realtime_sessions`) on its own: a step's plan
+"""The scheduler side of realtime sessions (`mossvl_ascend.realtime.sessions`, `.step_plan`) on its own: a step's plan
 with a frame window, the retraction order under decode memory pressure, and which parked session a stalled pool
 evicts. The served tests
 (`test_serving_realtime_ws.py`, `test_serving_realtime.py`) run both inside sglang; these pin the rules.
@@ -12,21 +12,29 @@ from types import SimpleNamespace
 
 import pytest
 
-from mossvl_ascend.patches import realtime_sessions as rs
+from mossvl_ascend.realtime.sessions import RealtimeSessions, RunningStep, Stream
+from mossvl_ascend.realtime.step_plan import plan_step
+from mossvl_ascend.realtime.wire import RID_PREFIX, parse_step_rid, step_rid
 
 PAD = 9  # the <|image_pad|> id of these plans
 
 
+@pytest.fixture
+def sessions():
+    """A scheduler process's realtime sessions, empty."""
+    return RealtimeSessions()
+
+
 def test_a_windowed_plan_gives_each_row_the_window_in_force_at_it():
     rows = [1, 2, PAD, 3, PAD, 4]
-    plan = rs.plan_step(rows, [(2, 2), (2, 2)], PAD, 100, 5, window_start=1, window_starts=[2, 4])
+    plan = plan_step(rows, [(2, 2), (2, 2)], PAD, 100, 5, window_start=1, window_starts=[2, 4])
     assert plan.visible_frames.tolist() == [5, 5, 6, 6, 7, 7]
     assert plan.first_frames.tolist() == [1, 1, 2, 2, 4, 4]
     assert plan.window_start == 4
 
 
 def test_an_unwindowed_plan_starts_every_row_at_the_session_start():
-    plan = rs.plan_step([1, PAD, 2], [(2, 2)], PAD, 0, 3)
+    plan = plan_step([1, PAD, 2], [(2, 2)], PAD, 0, 3)
     assert plan.first_frames.tolist() == [0, 0, 0] and plan.window_start == 0
 
 
@@ -36,37 +44,37 @@ def test_an_unwindowed_plan_starts_every_row_at_the_session_start():
 )
 def test_window_starts_that_break_the_rule_are_refused(starts, why):
     with pytest.raises(ValueError, match="window starts"):
-        rs.plan_step([PAD, PAD], [(2, 2), (2, 2)], PAD, 0, 5, window_start=1, window_starts=starts)
+        plan_step([PAD, PAD], [(2, 2), (2, 2)], PAD, 0, 5, window_start=1, window_starts=starts)
 
 
-def _step_request(monkeypatch, session: str, held: int):
-    rid = rs.step_rid(session, 3)
-    stream = rs.Stream(session)
-    stream.step = rs.RunningStep(rid, plan=None, encoder_rows=0, vision_tokens=0)
-    monkeypatch.setitem(rs._STREAMS, session, stream)
+def _step_request(sessions, session: str, held: int):
+    rid = step_rid(session, 3)
+    stream = Stream(session)
+    stream.step = RunningStep(rid, plan=None, encoder_rows=0, vision_tokens=0)
+    sessions.streams[session] = stream
     return SimpleNamespace(rid=rid, kv=SimpleNamespace(kv_allocated_len=held, holds_kv=True))
 
 
-def test_retraction_takes_ordinary_requests_then_the_heaviest_session(monkeypatch):
+def test_retraction_takes_ordinary_requests_then_the_heaviest_session(sessions):
     """Indices are kept first; retraction pops from the end: ordinary requests (which are queued again) in stock's
     order, then the session holding the most KV."""
     reqs = [
-        _step_request(monkeypatch, "aa", 900),
+        _step_request(sessions, "aa", 900),
         SimpleNamespace(rid="chat-1", kv=SimpleNamespace(kv_allocated_len=5000, holds_kv=True)),
-        _step_request(monkeypatch, "bb", 4000),
-        _step_request(monkeypatch, "cc", 100),
+        _step_request(sessions, "bb", 4000),
+        _step_request(sessions, "cc", 100),
         SimpleNamespace(rid="chat-2", kv=SimpleNamespace(kv_allocated_len=10, holds_kv=True)),
     ]
     stock_order = [4, 3, 2, 1, 0]
-    order = rs.heaviest_sessions_retracted_first(stock_order, reqs)
+    order = sessions.retraction_order(stock_order, reqs)
     assert order == [3, 0, 2, 4, 1]
     retracted = [order.pop() for _ in range(3)]
     assert retracted == [1, 4, 2]  # both ordinary requests, then session "bb"
 
 
-def test_retraction_order_without_sessions_is_stock(monkeypatch):
+def test_retraction_order_without_sessions_is_stock(sessions):
     reqs = [SimpleNamespace(rid=f"chat-{i}", kv=SimpleNamespace(kv_allocated_len=i, holds_kv=True)) for i in range(3)]
-    assert rs.heaviest_sessions_retracted_first([2, 0, 1], reqs) == [2, 0, 1]
+    assert sessions.retraction_order([2, 0, 1], reqs) == [2, 0, 1]
 
 
 class _KV:
@@ -89,10 +97,10 @@ class _Cache:
         self.freed_slots.extend(spans)
 
 
-def _parked(monkeypatch, session: str, held: int):
-    stream = rs.Stream(session)
+def _parked(sessions, session: str, held: int):
+    stream = Stream(session)
     stream.slot = SimpleNamespace(kv=_KV(held))
-    monkeypatch.setitem(rs._STREAMS, session, stream)
+    sessions.streams[session] = stream
     return stream
 
 
@@ -106,37 +114,35 @@ def _pass(admitted=None, running=(), waiting=("chat-1",), chunked=None, free_row
     return plan, scheduler, cache
 
 
-def test_a_stalled_pool_evicts_the_heaviest_parked_session_only(monkeypatch):
+def test_a_stalled_pool_evicts_the_heaviest_parked_session_only(sessions):
     """Requests wait, none was admitted, none runs: the parked session holding the most KV is freed and its next
     step refused with the reason; a session whose step is queued (not parked) and the lighter ones stay."""
-    monkeypatch.setattr(rs, "_EVICTED", {})
-    light, heavy = _parked(monkeypatch, "light", 300), _parked(monkeypatch, "heavy", 2000)
-    _step_request(monkeypatch, "stepping", 5000)
+    light, heavy = _parked(sessions, "light", 300), _parked(sessions, "heavy", 2000)
+    _step_request(sessions, "stepping", 5000)
     plan, scheduler, cache = _pass()
-    assert rs.evict_a_parked_session_when_stalled(plan, scheduler) is plan
-    assert "heavy" not in rs._STREAMS and cache.freed_slots == [(0, 2000)] and cache.freed_rows == [heavy.slot]
-    assert rs._STREAMS["light"] is light and "stepping" in rs._STREAMS
-    assert set(rs._EVICTED) == {"heavy"}
+    sessions.evict_a_parked_session_when_stalled(plan, scheduler)
+    assert "heavy" not in sessions.streams and cache.freed_slots == [(0, 2000)] and cache.freed_rows == [heavy.slot]
+    assert sessions.streams["light"] is light and "stepping" in sessions.streams
+    assert set(sessions.evicted) == {"heavy"}
 
     reasons = []
     step = SimpleNamespace(
-        rid=rs.step_rid("heavy", 4), finished=lambda: False, to_finish=None, set_finish_with_abort=reasons.append
+        rid=step_rid("heavy", 4), finished=lambda: False, to_finish=None, set_finish_with_abort=reasons.append
     )
-    rs.prepare_step_request(SimpleNamespace(tree_cache=cache), step)
+    sessions.prepare_step(SimpleNamespace(tree_cache=cache), step)
     assert len(reasons) == 1 and "evicted under KV memory pressure" in reasons[0]
-    assert "heavy" not in rs._STREAMS and not rs._EVICTED
+    assert "heavy" not in sessions.streams and not sessions.evicted
 
 
-def test_an_eviction_for_want_of_rows_says_so(monkeypatch):
+def test_an_eviction_for_want_of_rows_says_so(sessions):
     """Every request row kept by a parked session and an ordinary request waiting: the heaviest parked session goes
     and its reason names the rows, not the KV."""
-    monkeypatch.setattr(rs, "_EVICTED", {})
-    _parked(monkeypatch, "light", 300)
-    _parked(monkeypatch, "heavy", 2000)
+    _parked(sessions, "light", 300)
+    _parked(sessions, "heavy", 2000)
     plan, scheduler, cache = _pass(free_rows=0)
-    rs.evict_a_parked_session_when_stalled(plan, scheduler)
-    assert set(rs._EVICTED) == {"heavy"} and "light" in rs._STREAMS
-    assert "request-row pressure" in rs._EVICTED["heavy"] and "KV memory" not in rs._EVICTED["heavy"]
+    sessions.evict_a_parked_session_when_stalled(plan, scheduler)
+    assert set(sessions.evicted) == {"heavy"} and "light" in sessions.streams
+    assert "request-row pressure" in sessions.evicted["heavy"] and "KV memory" not in sessions.evicted["heavy"]
 
 
 @pytest.mark.parametrize(
@@ -148,26 +154,25 @@ def test_an_eviction_for_want_of_rows_says_so(monkeypatch):
         {"chunked": SimpleNamespace()},  # a chunked prefill goes on
     ],
 )
-def test_no_eviction_unless_the_pool_is_stalled(monkeypatch, state):
-    monkeypatch.setattr(rs, "_EVICTED", {})
-    _parked(monkeypatch, "heavy", 2000)
+def test_no_eviction_unless_the_pool_is_stalled(sessions, state):
+    _parked(sessions, "heavy", 2000)
     plan, scheduler, cache = _pass(**state)
-    rs.evict_a_parked_session_when_stalled(plan, scheduler)
-    assert "heavy" in rs._STREAMS and not cache.freed_slots and not rs._EVICTED
+    sessions.evict_a_parked_session_when_stalled(plan, scheduler)
+    assert "heavy" in sessions.streams and not cache.freed_slots and not sessions.evicted
 
 
-def test_a_later_step_of_a_session_with_no_kv_is_refused(monkeypatch):
+def test_a_later_step_of_a_session_with_no_kv_is_refused(sessions):
     """A step after the first one for a session this scheduler holds nothing of would run as a new session over
     no context: it is refused."""
     reasons = []
     step = SimpleNamespace(
-        rid=rs.step_rid("gone", 2), finished=lambda: False, to_finish=None, set_finish_with_abort=reasons.append
+        rid=step_rid("gone", 2), finished=lambda: False, to_finish=None, set_finish_with_abort=reasons.append
     )
-    rs.prepare_step_request(SimpleNamespace(tree_cache=_Cache()), step)
-    assert reasons == ["realtime session gone holds no KV here"] and "gone" not in rs._STREAMS
+    sessions.prepare_step(SimpleNamespace(tree_cache=_Cache()), step)
+    assert reasons == ["realtime session gone holds no KV here"] and "gone" not in sessions.streams
 
 
-def _admitted(scheduler, free_rows: int) -> list[str]:
+def _admitted(sessions, scheduler, free_rows: int) -> list[str]:
     """One prefill pass over ``scheduler.waiting_queue`` as stock's gate runs it (stop once the admitted list is as
     long as the allocatable rows: the free ones plus those the admitted requests hold), with the rows checked
     independently: a request that does not run in its session's kept row must find a free one."""
@@ -175,14 +180,15 @@ def _admitted(scheduler, free_rows: int) -> list[str]:
     def stock_allocatable(sched, running_bs, num_held_rows=0):
         return free_rows + num_held_rows
 
-    rs.kept_rows_first(None, None, scheduler.waiting_queue)
+    sessions.put_kept_rows_first(scheduler.waiting_queue)
     admitted, free = [], free_rows
     for req in scheduler.waiting_queue:
         held = sum(r.kv.holds_kv for r in admitted)
-        if len(admitted) >= rs.count_kept_rows_as_allocatable(stock_allocatable, scheduler, 0, num_held_rows=held):
+        held = sessions.rows_held_at_admission(scheduler.waiting_queue, held)
+        if len(admitted) >= stock_allocatable(scheduler, 0, num_held_rows=held):
             break
-        if req.rid.startswith(rs.RID_PREFIX):
-            req.kv = rs._STREAMS[rs.parse_step_rid(req.rid)[0]].slot.kv  # the borrow stock's match makes
+        if req.rid.startswith(RID_PREFIX):
+            req.kv = sessions.streams[parse_step_rid(req.rid)[0]].slot.kv  # the borrow stock's match makes
         else:
             assert free > 0, f"{req.rid} was admitted with no free request row"
             free -= 1  # its row is allocated when the batch is built: at admission it holds none
@@ -190,11 +196,11 @@ def _admitted(scheduler, free_rows: int) -> list[str]:
     return [req.rid for req in admitted]
 
 
-def _queued_step(monkeypatch, session: str):
+def _queued_step(sessions, session: str):
     """A parked session (its row kept) whose next step is queued; the step holds nothing until it is matched."""
-    stream = _parked(monkeypatch, session, 600)
-    rid = rs.step_rid(session, 2)
-    stream.step = rs.RunningStep(rid, plan=None, encoder_rows=0, vision_tokens=0)
+    stream = _parked(sessions, session, 600)
+    rid = step_rid(session, 2)
+    stream.step = RunningStep(rid, plan=None, encoder_rows=0, vision_tokens=0)
     return SimpleNamespace(rid=rid, kv=SimpleNamespace(holds_kv=False))
 
 
@@ -202,24 +208,24 @@ def _ordinary(rid: str):
     return SimpleNamespace(rid=rid, kv=SimpleNamespace(holds_kv=False))
 
 
-def test_steps_run_in_their_kept_rows_when_no_row_is_free(monkeypatch):
+def test_steps_run_in_their_kept_rows_when_no_row_is_free(sessions):
     """Every request row kept by a parked session (as many sessions as ``--max-running-requests``): the queued
     steps are admitted, ahead of an ordinary request queued before them, which waits (no free row)."""
-    _parked(monkeypatch, "idle", 600)
-    queue = [_ordinary("chat-1"), _queued_step(monkeypatch, "aa"), _ordinary("chat-2"), _queued_step(monkeypatch, "bb")]
+    _parked(sessions, "idle", 600)
+    queue = [_ordinary("chat-1"), _queued_step(sessions, "aa"), _ordinary("chat-2"), _queued_step(sessions, "bb")]
     scheduler = SimpleNamespace(waiting_queue=queue)
-    assert _admitted(scheduler, free_rows=0) == [rs.step_rid("aa", 2), rs.step_rid("bb", 2)]
+    assert _admitted(sessions, scheduler, free_rows=0) == [step_rid("aa", 2), step_rid("bb", 2)]
 
 
-def test_a_free_row_goes_to_the_ordinary_request_after_the_steps(monkeypatch):
-    queue = [_ordinary("chat-1"), _queued_step(monkeypatch, "aa"), _ordinary("chat-2")]
+def test_a_free_row_goes_to_the_ordinary_request_after_the_steps(sessions):
+    queue = [_ordinary("chat-1"), _queued_step(sessions, "aa"), _ordinary("chat-2")]
     scheduler = SimpleNamespace(waiting_queue=queue)
-    assert _admitted(scheduler, free_rows=1) == [rs.step_rid("aa", 2), "chat-1"]
+    assert _admitted(sessions, scheduler, free_rows=1) == [step_rid("aa", 2), "chat-1"]
 
 
-def test_without_queued_steps_admission_is_stock(monkeypatch):
-    _parked(monkeypatch, "idle", 600)
+def test_without_queued_steps_admission_is_stock(sessions):
+    _parked(sessions, "idle", 600)
     scheduler = SimpleNamespace(waiting_queue=[_ordinary("chat-1"), _ordinary("chat-2")])
-    assert _admitted(scheduler, free_rows=0) == []
+    assert _admitted(sessions, scheduler, free_rows=0) == []
     scheduler = SimpleNamespace(waiting_queue=[_ordinary("chat-1"), _ordinary("chat-2")])
-    assert _admitted(scheduler, free_rows=1) == ["chat-1"]
+    assert _admitted(sessions, scheduler, free_rows=1) == ["chat-1"]

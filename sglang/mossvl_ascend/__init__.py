@@ -15,36 +15,11 @@ The human catalog, ``sglang/PATCHES.md``, is generated from the same records (:m
 
 import logging
 
+from mossvl_ascend.patch_record import PATCH_MODULES, PLUGIN_NAME
+
 logger = logging.getLogger(__name__)
 
-PLUGIN_NAME = "mossvl_ascend"
-
-# The modules of mossvl_ascend.patches, one per patched sglang area, in the order their patches are applied.
-PATCH_MODULES: tuple[str, ...] = (
-    "npu_imports",
-    "npu_guards",
-    "server_args",
-    "radix_prefix",
-    "paged_decode",
-    "kv_pool",
-    "realtime_sessions",
-    "realtime_api",
-    "encoder_cache_key",
-    "request_validation",
-    "text_only_requests",
-    "checkpoint_processor",
-    "chunked_prefill",
-    "media_retention",
-    "text_row_gate",
-    "compact_visibility",
-    "native_attention",
-    "ascend_backend",
-    "vision_rotary",
-    "ascend_sampler",
-    "cpu_attention",
-    "cpu_parallel",
-    "rank_report",
-)
+__all__ = ["PATCH_MODULES", "PLUGIN_NAME", "register"]
 
 
 def register() -> None:

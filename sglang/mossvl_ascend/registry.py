@@ -12,48 +12,21 @@ from __future__ import annotations
 
 import importlib
 import logging
-from dataclasses import dataclass
-from typing import Callable, Iterable, Union
+from typing import Iterable
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+from mossvl_ascend.patch_record import (  # noqa: F401  (re-exported: the registry's names for the records)
+    CPU,
+    IMPORT_FALLBACK,
+    NPU,
+    ON_NPU_AND_CPU,
+    PATCH_MODULES,
+    Patch,
+    Verified,
+)
 
 logger = logging.getLogger(__name__)
-
-# A patch that is not a HookRegistry hook: its ``hook`` is called once at plugin load to put a module into
-# ``sys.modules`` before sglang imports it (an import fails before there is any attribute to wrap).
-IMPORT_FALLBACK = "import-fallback"
-
-# Platforms a patch can apply on. CUDA (and every other GPU) is never listed: there sglang runs exactly as stock.
-NPU, CPU = "npu", "cpu"
-ON_NPU_AND_CPU = frozenset({NPU, CPU})
-
-
-@dataclass(frozen=True)
-class Patch:
-    """One change to stock sglang 0.5.23."""
-
-    title: str
-    target: str  # dotted path of what is wrapped (or, for IMPORT_FALLBACK, the module name that is provided)
-    kind: Union[HookType, str]  # a HookType, or IMPORT_FALLBACK
-    hook: Callable  # the HookRegistry hook; for IMPORT_FALLBACK an installer returning True when it installed
-    platforms: frozenset  # subset of {NPU, CPU}
-    why: str
-    how: str
-    upstream: str  # status in sglang 0.5.23 / upstream
-    remove_when: str
-    # Applied only where this module imports (e.g. the Ascend backend needs torch_npu and sgl_kernel_npu).
-    requires_module: str | None = None
-
-
-@dataclass(frozen=True)
-class Verified:
-    """A fix of the source PR that sglang 0.5.23 does not need: no patch, a test pins the behaviour."""
-
-    title: str
-    target: str
-    why_it_was_patched: str
-    status: str
-    pinned_by: tuple  # test node ids, "tests/test_x.py::test_name"
 
 
 def current_platform() -> str:
@@ -68,9 +41,7 @@ def current_platform() -> str:
 
 
 def patch_modules() -> list:
-    """The patch modules (``mossvl_ascend.patches.*``), imported, in :data:`mossvl_ascend.PATCH_MODULES` order."""
-    from mossvl_ascend import PATCH_MODULES
-
+    """The patch modules (``mossvl_ascend.patches.*``), imported, in :data:`PATCH_MODULES` order."""
     return [importlib.import_module(f"mossvl_ascend.patches.{name}") for name in PATCH_MODULES]
 
 

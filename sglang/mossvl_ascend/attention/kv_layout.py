@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mossvl_ascend import side_channel
+
 LAYOUT_ENV = "MOSSVL_KV_LAYOUT"
 MOSSVL, STOCK = "mossvl", "stock"
 
@@ -127,10 +129,66 @@ class EncoderAddressing:
 
 STOCK_ADDRESSING = EncoderAddressing()
 
-# Where a KV pool shaped by this layout keeps its EncoderAddressing (set by the kv_pool patch).
-POOL_ATTRIBUTE = "mossvl_encoder_addressing"
-
 
 def addressing_of_pool(pool) -> EncoderAddressing:
     """The pool's vision-token addressing: stock (one band) unless the pool was shaped by this layout."""
-    return getattr(pool, POOL_ATTRIBUTE, STOCK_ADDRESSING)
+    return side_channel.ENCODER_ADDRESSING.get(pool, STOCK_ADDRESSING)
+
+
+def storage_tokens(bands: LayerBands, slots: int, page_size: int) -> int:
+    """Rows each storage layer of a shaped pool of ``slots`` slots asks stock's builder for: ``bands`` bands of
+    ``slots + page_size`` rows (stock's builder adds one page of padding to what it is asked for)."""
+    return bands.bands * (slots + page_size) - page_size
+
+
+def band_view(storage: torch.Tensor, bands: int, band: int | None) -> torch.Tensor:
+    """Band ``band`` of a storage layer (a contiguous ``1 / bands`` of its rows), or all of it for ``None``."""
+    if band is None:
+        return storage
+    per_band = storage.shape[0] // bands
+    return storage[band * per_band : (band + 1) * per_band]
+
+
+def encoder_write_addresses(
+    row_lens: list[int],
+    vision_tokens: list[int],
+    cached: list[bool],
+    new_slots: torch.Tensor | None,
+    band_stride: int,
+    step_addresses: dict[int, torch.Tensor],
+) -> torch.Tensor:
+    """Unit address of every new vision token of a batch, in batch order: request ``i``'s are
+    ``step_addresses[i]`` (a realtime step's, slot-major) when given, else band-major over its share of
+    ``new_slots`` (the encoder slots stock allocated for the requests whose encoder is not cached, concatenated)."""
+    addresses, start = [], 0
+    for i, (row_len, tokens, is_cached) in enumerate(zip(row_lens, vision_tokens, cached)):
+        if i in step_addresses:
+            addresses.append(step_addresses[i])
+        elif row_len and not is_cached:
+            addresses.append(vision_addresses(new_slots[start : start + row_len], tokens, band_stride))
+            start += row_len
+    if new_slots is not None and start != new_slots.numel():
+        raise RuntimeError(f"{new_slots.numel()} new encoder slots for encoder rows {row_lens} (cached {cached})")
+    return torch.cat(addresses).to(new_slots.device if new_slots is not None else addresses[0].device)
+
+
+class ActiveLayout:
+    """The bands of this process's shaped pool, recorded when the pool is built: the scheduler's padding of a
+    request's encoder (``pad_input_ids``, which reaches no pool) runs in the same process and must pad for the same
+    layout. Nothing recorded: the stock pool."""
+
+    def __init__(self) -> None:
+        self._bands: int | None = None
+
+    @property
+    def bands(self) -> int | None:
+        return self._bands
+
+    def bands_or_one(self) -> int:
+        return self._bands or 1
+
+    def record(self, bands: int | None) -> None:
+        self._bands = bands
+
+
+ACTIVE_LAYOUT = ActiveLayout()

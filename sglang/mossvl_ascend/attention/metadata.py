@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mossvl_ascend import side_channel
 from mossvl_ascend.attention.blocks import (
     FrameCausalPlan,
     encoder_boundaries_from_packed_mask,
@@ -27,9 +28,6 @@ from mossvl_ascend.attention.blocks import (
     frame_ends_from_grid_thw,
     plan_frame_causal_blocks,
 )
-
-# Where the prepare_forward_batch hook leaves the metadata on sglang's ForwardBatch (see attach / attached).
-FORWARD_BATCH_ATTRIBUTE = "mossvl_attention_metadata"
 
 
 def visible_frames_of_rows(visible_frame_counts: torch.Tensor, text_offset: int, q_len: int) -> torch.Tensor:
@@ -44,22 +42,15 @@ def visible_frames_of_rows(visible_frame_counts: torch.Tensor, text_offset: int,
     return visible_frame_counts[rows.clamp_(max=visible_frame_counts.numel() - 1)]
 
 
-# On a realtime step's MultimodalInputs: the encoder end of every frame of the session so far (int64 tensor, in the
-# numbering of the vision tokens still cached: a frame the window evicted ends at or below 0).
-FRAME_ENDS_ATTRIBUTE = "mossvl_frame_ends"
-# On a realtime step's MultimodalInputs when a frame window is on: per text row, the first frame it sees (int32).
-WINDOW_STARTS_ATTRIBUTE = "mossvl_window_starts"
-
-
 def request_row_boundaries(mm_input, text_offset: int, q_len: int, encoder_len: int, spatial_merge_size: int, device):
     """Boundaries (int32 ``[q_len]``) of one request's new rows, text rows ``[text_offset, text_offset + q_len)``.
 
     ``mm_input.visible_frame_counts`` (per text token, how many frames it sees) and the first item's
     ``grid_thw`` give the frame ends; a request without them sees every frame (stock's rule). A realtime step
-    carries every frame's end so far (``FRAME_ENDS_ATTRIBUTE``): its item holds only the new frames.
+    carries every frame's end so far (``side_channel.FRAME_ENDS``): its item holds only the new frames.
     """
     counts = getattr(mm_input, "visible_frame_counts", None) if mm_input is not None else None
-    frame_ends = getattr(mm_input, FRAME_ENDS_ATTRIBUTE, None) if mm_input is not None else None
+    frame_ends = side_channel.FRAME_ENDS.get(mm_input)
     if frame_ends is None:
         item = mm_input.mm_items[0] if mm_input is not None and mm_input.mm_items else None
         grid_thw = getattr(item, "grid_thw", None) if item is not None else None
@@ -74,8 +65,8 @@ def request_row_boundaries(mm_input, text_offset: int, q_len: int, encoder_len: 
 def request_row_lower_bounds(mm_input, text_offset: int, q_len: int, device) -> torch.Tensor | None:
     """Where each new row of a windowed realtime step starts seeing keys (int32 ``[q_len]``): the start of the
     first frame in its window, which is the end of the frames before it. None without a window."""
-    starts = getattr(mm_input, WINDOW_STARTS_ATTRIBUTE, None) if mm_input is not None else None
-    frame_ends = getattr(mm_input, FRAME_ENDS_ATTRIBUTE, None) if mm_input is not None else None
+    starts = side_channel.WINDOW_STARTS.get(mm_input)
+    frame_ends = side_channel.FRAME_ENDS.get(mm_input)
     if starts is None or frame_ends is None or not q_len:
         return None
     first_frames = visible_frames_of_rows(starts, text_offset, q_len).to(device)
@@ -225,12 +216,12 @@ def _sees_everything(boundaries: torch.Tensor, encoder_len: int) -> bool:
 
 def attach(forward_batch, metadata: ForwardAttentionMetadata) -> None:
     """Leave ``metadata`` on sglang's ForwardBatch for every layer of this forward."""
-    setattr(forward_batch, FORWARD_BATCH_ATTRIBUTE, metadata)
+    side_channel.ATTENTION_METADATA.set(forward_batch, metadata)
 
 
 def attached(forward_batch) -> ForwardAttentionMetadata | None:
     """The metadata the prepare_forward_batch hook (or the first layer) left on this ForwardBatch, if any."""
-    return vars(forward_batch).get(FORWARD_BATCH_ATTRIBUTE)
+    return side_channel.ATTENTION_METADATA.get(forward_batch)
 
 
 def metadata_of_forward_batch(forward_batch) -> ForwardAttentionMetadata:
@@ -254,19 +245,15 @@ def metadata_of_forward_batch(forward_batch) -> ForwardAttentionMetadata:
     return metadata
 
 
-# On a realtime step's MultimodalInputs (set by the realtime_sessions patch): its encoder row's slots. Such a
-# request's vision tokens are slot-major. Read from the forward's multimodal inputs, which every forward carries.
-ENCODER_ROWS_ATTRIBUTE = "mossvl_encoder_rows"
-
-
 def _with_realtime_rows(metadata: ForwardAttentionMetadata, forward_batch) -> ForwardAttentionMetadata:
-    """The realtime steps' encoder rows and, with a frame window, where their rows start seeing keys."""
+    """The realtime steps' encoder rows (read from the forward's multimodal inputs, which every forward carries;
+    such a request's vision tokens are slot-major) and, with a frame window, where their rows start seeing keys."""
     mm_inputs = forward_batch.mm_inputs or []
-    rows = [getattr(mm, ENCODER_ROWS_ATTRIBUTE, None) if mm is not None else None for mm in mm_inputs]
+    rows = [side_channel.ENCODER_ROWS.get(mm) for mm in mm_inputs]
     if not any(r is not None for r in rows):
         return metadata
     metadata.with_encoder_rows(rows, [r is not None for r in rows])
-    if any(getattr(mm, WINDOW_STARTS_ATTRIBUTE, None) is not None for mm in mm_inputs):
+    if any(side_channel.WINDOW_STARTS.get(mm) is not None for mm in mm_inputs):
         lowers = [
             request_row_lower_bounds(mm, prefix, q_len, metadata.device)
             for mm, prefix, q_len in zip(mm_inputs, metadata.prefix_lens, metadata.extend_lens)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.attention.sglang_layer import encoder_decoder_attention
-from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 
 ASCEND_BACKEND_MODULE = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 

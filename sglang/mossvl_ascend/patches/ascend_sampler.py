@@ -10,7 +10,7 @@ from typing import Callable
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.registry import NPU, Patch
+from mossvl_ascend.patch_record import NPU, Patch
 
 
 def min_p_on_the_sorted_path(original: Callable, *args, **kwargs):

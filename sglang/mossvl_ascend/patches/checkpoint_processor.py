@@ -12,7 +12,7 @@ from typing import Any, Callable
 from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend import checkpoint_code
-from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ import logging
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.patches.radix_prefix import encoder_len_of
-from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.side_channel import encoder_len_of
 
 logger = logging.getLogger(__name__)
 

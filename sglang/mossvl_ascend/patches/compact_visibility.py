@@ -8,7 +8,7 @@ from __future__ import annotations
 from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.attention.metadata import attach, metadata_from_visible_frames
-from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 
 
 def prepare_attention_metadata(model, forward_batch) -> None:

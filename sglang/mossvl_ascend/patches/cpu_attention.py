@@ -8,7 +8,7 @@ from __future__ import annotations
 from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.attention.sglang_layer import encoder_decoder_attention
-from mossvl_ascend.registry import CPU, Patch
+from mossvl_ascend.patch_record import CPU, Patch
 
 TORCH_NATIVE_CLASS = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 

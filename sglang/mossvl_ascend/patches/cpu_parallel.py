@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.registry import CPU, Patch
+from mossvl_ascend.patch_record import CPU, Patch
 
 
 def without_pynccl(*args, **kwargs):

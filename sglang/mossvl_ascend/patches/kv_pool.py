@@ -16,23 +16,25 @@ import msgspec
 import torch
 from sglang.srt.plugins.hook_registry import HookType
 
+from mossvl_ascend import side_channel
 from mossvl_ascend.attention.kv_layout import (
+    ACTIVE_LAYOUT,
     MOSSVL,
-    POOL_ATTRIBUTE,
     EncoderAddressing,
     LayerBands,
     addressing_of_pool,
+    band_view,
     encoder_row_len,
+    encoder_write_addresses,
     requested_layout,
-    vision_addresses,
+    storage_tokens,
 )
-from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.realtime.sessions import SCHEDULER_SESSIONS
 
 logger = logging.getLogger(__name__)
 
 CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-# Set on a request's MultimodalInputs by the padding hook: its vision tokens (its encoder row holds fewer slots).
-VISION_TOKENS_ATTRIBUTE = "mossvl_vision_tokens"
 
 
 def layer_bands_for(configurator) -> LayerBands | None:
@@ -104,22 +106,15 @@ def shape_pool(pool, bands: LayerBands, slots: int) -> None:
     a cross-attention layer all of its storage, a self-attention layer one band of it."""
     band_stride = slots + pool.page_size
     storage_k, storage_v = list(pool.k_buffer), list(pool.v_buffer)
-
-    def view(storage: torch.Tensor, band: int | None) -> torch.Tensor:
-        if band is None:
-            return storage
-        per_band = storage.shape[0] // bands.bands
-        return storage[band * per_band : (band + 1) * per_band]
-
     placement = [bands.storage_of(layer_id) for layer_id in range(bands.num_layers)]
-    pool.k_buffer = [view(storage_k[j], band) for j, band in placement]
-    pool.v_buffer = [view(storage_v[j], band) for j, band in placement]
+    pool.k_buffer = [band_view(storage_k[j], bands.bands, band) for j, band in placement]
+    pool.v_buffer = [band_view(storage_v[j], bands.bands, band) for j, band in placement]
     pool.layer_num = bands.num_layers
     pool.start_layer, pool.end_layer = 0, bands.num_layers - 1
     pool.model_layer_ids = tuple(range(bands.num_layers))
     pool.size = slots
-    pool.mossvl_storage_bytes = sum(t.numel() * t.element_size() for t in storage_k + storage_v)
-    setattr(pool, POOL_ATTRIBUTE, EncoderAddressing(bands.bands, band_stride))
+    side_channel.STORAGE_BYTES.set(pool, sum(t.numel() * t.element_size() for t in storage_k + storage_v))
+    side_channel.ENCODER_ADDRESSING.set(pool, EncoderAddressing(bands.bands, band_stride))
 
 
 def build_shaped_pool(original: Callable, configurator, *args: Any, max_total_num_tokens: int, **kwargs: Any):
@@ -128,18 +123,17 @@ def build_shaped_pool(original: Callable, configurator, *args: Any, max_total_nu
     bands = layer_bands_for(configurator)
     if bands is None:
         return original(configurator, *args, max_total_num_tokens=max_total_num_tokens, **kwargs)
-    page_size = configurator.pool_page_size
-    storage_tokens = bands.bands * (max_total_num_tokens + page_size) - page_size
+    storage_rows = storage_tokens(bands, max_total_num_tokens, configurator.pool_page_size)
     stock_info = configurator.layer_info
     configurator.layer_info = msgspec.structs.replace(
         stock_info, start_layer=0, end_layer=bands.cross_count, num_effective_layers=bands.cross_count
     )
     try:
-        pool = original(configurator, *args, max_total_num_tokens=storage_tokens, **kwargs)
+        pool = original(configurator, *args, max_total_num_tokens=storage_rows, **kwargs)
     finally:
         configurator.layer_info = stock_info
     shape_pool(pool, bands, max_total_num_tokens)
-    _ACTIVE["bands"] = bands.bands
+    ACTIVE_LAYOUT.record(bands.bands)
     return pool
 
 
@@ -147,11 +141,11 @@ def encoder_slots_for_vision_tokens(original: Callable, model, input_ids, mm_inp
     """AROUND hook on MOSS-VL's ``pad_input_ids``: ``ceil(E / bands)`` encoder placeholders, not ``E``."""
     padded = original(model, input_ids, mm_inputs)
     vision_tokens = mm_inputs.num_image_tokens or 0
-    bands = _active_bands()
+    bands = ACTIVE_LAYOUT.bands
     if bands is None or not vision_tokens:
         return padded
     rows = encoder_row_len(vision_tokens, bands)
-    setattr(mm_inputs, VISION_TOKENS_ATTRIBUTE, vision_tokens)
+    side_channel.VISION_TOKENS.set(mm_inputs, vision_tokens)
     mm_inputs.num_image_tokens = rows
     return padded[vision_tokens - rows :]
 
@@ -159,14 +153,12 @@ def encoder_slots_for_vision_tokens(original: Callable, model, input_ids, mm_inp
 def vision_tokens_in_the_forward(forward_batch, cls, batch, model_runner, *args: Any, **kwargs: Any):
     """AFTER hook on ``ForwardBatch.init_new``: the forward's encoder lengths in vision tokens, and the unit
     address of each new vision token for the cross-attention K/V writes (a realtime step's new frames included)."""
-    from mossvl_ascend.patches.realtime_sessions import step_vision_in_the_forward
-
     addressing = addressing_of_pool(model_runner.token_to_kv_pool)
     rows = forward_batch.encoder_lens_cpu
     if not rows or not any(rows):
         return forward_batch
     stock_cached = list(forward_batch.encoder_cached)
-    realtime = step_vision_in_the_forward(forward_batch, batch, addressing)
+    realtime = SCHEDULER_SESSIONS.step_vision_in_the_forward(forward_batch, batch, addressing)
     if addressing.bands == 1 and realtime is None:
         return forward_batch
     realtime, step_addresses = realtime or ([None] * len(rows), {})
@@ -177,20 +169,8 @@ def vision_tokens_in_the_forward(forward_batch, cls, batch, model_runner, *args:
     new_slots = forward_batch.encoder_out_cache_loc
     # A decode batch keeps the last extend's (unused) encoder slots: only an extend writes vision K/V.
     if forward_batch.forward_mode.is_extend() and (step_addresses or (new_slots is not None and new_slots.numel())):
-        addresses, start = [], 0
-        for i, (row_len, vision_tokens, cached) in enumerate(zip(rows, tokens, stock_cached)):
-            if i in step_addresses:
-                addresses.append(step_addresses[i])
-            elif row_len and not cached:
-                slots = new_slots[start : start + row_len]
-                addresses.append(vision_addresses(slots, vision_tokens, addressing.band_stride))
-                start += row_len
-        if new_slots is not None and start != new_slots.numel():
-            raise RuntimeError(
-                f"{new_slots.numel()} new encoder slots for encoder rows {rows} (cached {forward_batch.encoder_cached})"
-            )
-        forward_batch.encoder_out_cache_loc = torch.cat(addresses).to(
-            new_slots.device if new_slots is not None else addresses[0].device
+        forward_batch.encoder_out_cache_loc = encoder_write_addresses(
+            rows, tokens, stock_cached, new_slots, addressing.band_stride, step_addresses
         )
     forward_batch.encoder_lens_cpu = tokens
     forward_batch.encoder_lens = torch.tensor(tokens, dtype=forward_batch.encoder_lens.dtype).to(
@@ -202,7 +182,7 @@ def vision_tokens_in_the_forward(forward_batch, cls, batch, model_runner, *args:
 def _vision_tokens(req, row_len: int, bands: int) -> int:
     if not row_len or bands == 1:
         return row_len
-    vision_tokens = getattr(req.multimodal_inputs, VISION_TOKENS_ATTRIBUTE, None)
+    vision_tokens = side_channel.VISION_TOKENS.get(req.multimodal_inputs)
     if vision_tokens is None or encoder_row_len(vision_tokens, bands) != row_len:
         raise RuntimeError(
             f"request {req.rid}: {row_len} encoder slots but no matching vision-token count on its multimodal "
@@ -217,7 +197,7 @@ def vision_tokens_per_prefill_within_a_chunk(original: Callable, adder, req, *ar
     from sglang.srt.managers.schedule_policy import AddReqResult
 
     vision_tokens = _new_vision_tokens(req)
-    if _active_bands() is None or not vision_tokens or not adder.can_run_list:
+    if ACTIVE_LAYOUT.bands is None or not vision_tokens or not adder.can_run_list:
         return original(adder, req, *args, **kwargs)
     admitted = sum(_new_vision_tokens(other) for other in adder.can_run_list)
     if admitted + vision_tokens > _prefill_chunk_tokens():
@@ -231,7 +211,7 @@ def _new_vision_tokens(req) -> int:
     rows = (mm_inputs.num_image_tokens or 0) if mm_inputs is not None else 0
     if not rows or req.prefix_len >= rows:
         return 0
-    return getattr(mm_inputs, VISION_TOKENS_ATTRIBUTE, rows)
+    return side_channel.VISION_TOKENS.get(mm_inputs, rows)
 
 
 def _prefill_chunk_tokens() -> int:
@@ -240,15 +220,6 @@ def _prefill_chunk_tokens() -> int:
     args = get_server_args()
     chunk = args.chunked_prefill_size
     return chunk if chunk is not None and chunk > 0 else args.max_prefill_tokens
-
-
-# The bands of this process's shaped pool, recorded when it is built: the padding hook runs in the same scheduler
-# process and must pad for the same layout.
-_ACTIVE: dict[str, int] = {}
-
-
-def _active_bands() -> int | None:
-    return _ACTIVE.get("bands")
 
 
 PATCHES = (

@@ -19,7 +19,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.attention.core import AttentionLayer, attention
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
-from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch, Verified
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch, Verified
 
 NATIVE_BACKEND = "sglang.srt.hardware_backend.npu.attention.ascend_torch_native_backend.AscendTorchNativeAttnBackend"
 

@@ -4,7 +4,7 @@ Each entry records the guard, why 0.5.23 already behaves, and the test that pins
 ``sglang/PATCHES.md``).
 """
 
-from mossvl_ascend.registry import Verified
+from mossvl_ascend.patch_record import Verified
 
 PATCHES = ()
 

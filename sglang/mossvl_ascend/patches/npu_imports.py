@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from mossvl_ascend.registry import IMPORT_FALLBACK, NPU, Patch
+from mossvl_ascend.patch_record import IMPORT_FALLBACK, NPU, Patch
 
 logger = logging.getLogger(__name__)
 

@@ -10,15 +10,10 @@ from typing import Any, Callable
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.side_channel import encoder_len_of
 
 logger = logging.getLogger(__name__)
-
-
-def encoder_len_of(req: Any) -> int:
-    """Number of encoder (vision) tokens at the start of ``req``'s KV slots (0 if none)."""
-    mm_inputs = getattr(req, "multimodal_inputs", None)
-    return (getattr(mm_inputs, "num_image_tokens", None) or 0) if mm_inputs else 0
 
 
 def ends_inside_encoder(matched_len: int, encoder_len: int) -> bool:

@@ -10,7 +10,7 @@ import os
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, PATCH_MODULES, PLUGIN_NAME, Patch
 
 logger = logging.getLogger(__name__)
 
@@ -18,8 +18,6 @@ logger = logging.getLogger(__name__)
 def report_rank(result, *args, **kwargs) -> None:
     """AFTER hook: one INFO line naming this scheduler's ranks and the active patch modules."""
     from sglang.srt.runtime_context import get_parallel
-
-    from mossvl_ascend import PATCH_MODULES, PLUGIN_NAME
 
     parallel = get_parallel()
     logger.info(

@@ -13,11 +13,10 @@ from fastapi import WebSocket
 from sglang.srt.plugins.hook_registry import HookType
 from starlette.routing import WebSocketRoute
 
-from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 
 logger = logging.getLogger(__name__)
 
-_MOUNTED: dict[str, bool] = {}
 # The real server's `video_realtime_benchmark_mode` (launch option; off in production): with it on, a session may set
 # `benchmark_ignore_eos` (turns run to max_new_tokens, <|silence|> does not end them).
 BENCHMARK_MODE_ENV = "MOSSVL_VIDEO_REALTIME_BENCHMARK_MODE"
@@ -37,12 +36,13 @@ def benchmark_mode_from_env() -> bool:
 def mount_realtime_api(*args: Any, **kwargs: Any) -> None:
     """BEFORE hook on ``http_server.launch_server``: ``WS /v1/video/realtime`` and its capabilities route, and the same
     socket on ``WS /v1/realtime`` ahead of stock's ASR endpoint there (which still answers for other models)."""
-    if _MOUNTED.get("app"):
-        return
     from sglang.srt.entrypoints import http_server
 
     from mossvl_ascend.realtime.engine import ServedRealtimeEngine
-    from mossvl_ascend.realtime.websocket import mount
+    from mossvl_ascend.realtime.websocket import VIDEO_REALTIME_PATH, mount
+
+    if _route_endpoint(http_server.app, VIDEO_REALTIME_PATH) is not None:  # a second launch in this process
+        return
 
     state = lambda: http_server._global_state  # noqa: E731  (set once the server has started)
     engine = ServedRealtimeEngine(lambda: state().tokenizer_manager, lambda: state().scheduler_info)
@@ -57,7 +57,6 @@ def mount_realtime_api(*args: Any, **kwargs: Any) -> None:
         await serve(websocket)
 
     _precede(http_server.app, GATEWAY_PATH, realtime)
-    _MOUNTED["app"] = True
     logger.info(
         "MOSS-VL realtime API mounted: WS /v1/video/realtime and %s, GET /v1/video/realtime/capabilities; "
         "benchmark mode %s (%s)",

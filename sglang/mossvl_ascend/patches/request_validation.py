@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 
 CLIENT_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, PermissionError)
 MOSS_VL_ARCH = "MossVLForConditionalGeneration"

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import torch
 from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.attention.metadata import visible_frames_of_rows
-from mossvl_ascend.registry import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 
 
 def _request_counts(forward_batch, i):

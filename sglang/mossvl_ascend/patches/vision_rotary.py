@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.registry import NPU, Patch
+from mossvl_ascend.patch_record import NPU, Patch
 
 
 def rotary_in_activation_dtype(

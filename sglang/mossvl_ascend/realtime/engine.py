@@ -1,5 +1,5 @@
 """Realtime sessions on the running sglang engine (the HTTP process side; the scheduler side is
-:mod:`mossvl_ascend.patches.realtime_sessions`).
+:mod:`mossvl_ascend.realtime.sessions`, what they tell each other :mod:`mossvl_ascend.realtime.wire`).
 
 A :class:`ServedSession` has the reference session's semantics (``moss_vl_reference.realtime_moss_vl``): the
 initial prefill is ``[system, user]`` by the chat template then the assistant opener; whatever arrives is drained
@@ -29,15 +29,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from mossvl_ascend.patches.realtime_sessions import (
-    CLOSE_STEP,
-    CONTEXT_EXHAUSTED,
-    INTERRUPT_MESSAGE,
-    USAGE_INFO_KEY,
-    WINDOW_STARTS_PARAM,
-    step_rid,
-    usage_after,
-)
 from mossvl_ascend.realtime.session_api import (
     CLOSED,
     ERROR,
@@ -53,6 +44,15 @@ from mossvl_ascend.realtime.session_api import (
     RealtimeError,
     SessionConfig,
 )
+from mossvl_ascend.realtime.wire import (
+    CLOSE_STEP,
+    CONTEXT_EXHAUSTED,
+    INTERRUPT_MESSAGE,
+    USAGE_INFO_KEY,
+    WINDOW_STARTS_PARAM,
+    step_rid,
+    usage_after,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,29 @@ CONTROL_TOKEN = re.compile(r"^<\|[^|]+\|>$")
 _STEP_FRAMES: dict[str, tuple] = {}
 
 
-def take_step_frames(rid: str):
-    """(pixel_values, grid_thw) of a realtime step's new frames, or None (a step without frames)."""
-    return _STEP_FRAMES.pop(rid, None)
+def step_processor_output(processor, request_obj):
+    """What MOSS-VL's processor returns for a realtime step (the tokenizer's side, this process): the step's token
+    ids as they are (the session built them; re-tokenizing could change the generated token in front) and its new
+    frames as the session patchified them (:meth:`ServedSession._patches`, handed over here by rid). Positions are
+    placeholders the scheduler replaces (:meth:`mossvl_ascend.realtime.sessions.RealtimeSessions.prepare_step`)."""
+    import torch
+    from sglang.srt.managers.schedule_batch import MultimodalProcessorOutput
+
+    ids = list(request_obj.input_ids)
+    frames = _STEP_FRAMES.pop(request_obj.rid, None)
+    items = []
+    if frames is not None:
+        pixel_values, grid_thw = frames
+        items = processor._build_mm_items({"pixel_values": pixel_values, "grid_thw": grid_thw}, torch.tensor(ids))
+        items = processor._prepare_mm_items_for_transport(items)
+    placeholder = torch.arange(len(ids), dtype=torch.int64).expand(3, -1).clone()
+    return MultimodalProcessorOutput(
+        input_ids=ids,
+        mm_items=items,
+        im_token_id=processor.image_token_id,
+        mrope_positions=placeholder,
+        mrope_position_delta=torch.zeros(1, 1, dtype=torch.int64),
+    )
 
 
 def prompt_splice(prompt: str) -> str:
@@ -510,4 +530,4 @@ class ServedSession:
             logger.debug("realtime session %s closed", self.session_id)
 
 
-__all__ = ["ServedRealtimeEngine", "ServedSession", "take_step_frames"]
+__all__ = ["ServedRealtimeEngine", "ServedSession", "step_processor_output"]

@@ -45,6 +45,8 @@ from . import session_api as api
 logger = logging.getLogger(__name__)
 
 CAPACITY_CLOSE_CODE = 1013  # "try again later": the engine cannot hold one more session
+# The realtime video socket's path (the real server's); its capabilities route is under it.
+VIDEO_REALTIME_PATH = "/v1/video/realtime"
 _CAPACITY_CODES = {p.SESSION_CAPACITY_EXCEEDED, p.INSUFFICIENT_KV_CAPACITY}
 # Fallback re-check of pending_inputs while input.frame.ready is held back: the engine's outputs wake the wait
 # at once, but pending_inputs may also fall without an output (a drain that emits nothing yet).
@@ -107,7 +109,7 @@ def mount(
     )
     waiting: set = set()  # connections admitted and not yet configured: they hold a session slot
 
-    @app.get("/v1/video/realtime/capabilities")
+    @app.get(f"{VIDEO_REALTIME_PATH}/capabilities")
     async def video_realtime_capabilities() -> dict:
         return _capabilities(engine)
 
@@ -131,7 +133,7 @@ def mount(
         finally:
             waiting.discard(connection)
 
-    app.add_api_websocket_route("/v1/video/realtime", video_realtime)
+    app.add_api_websocket_route(VIDEO_REALTIME_PATH, video_realtime)
     return video_realtime
 
 
