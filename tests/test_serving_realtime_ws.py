@@ -55,6 +55,9 @@ pytestmark = pytest.mark.timeout(1800)
 STEP_LINE = re.compile(
     r"realtime step mossvl-realtime:(\w+):(\d+): extended (\d+) rows, (\d+) new frames through the vision tower"
 )
+# Every server here: fp32, and no warm-up request before /health answers (each test's first session is one; ~3 s
+# of start-up each).
+SERVER_BASE = ["--dtype", "float32", "--skip-server-warmup"]
 CONFIGS = {
     "page128-radix": ["--page-size", "128"],
     "page1-noradix-chunk8-mixed": ["--disable-radix-cache", "--chunked-prefill-size", "8", "--enable-mixed-chunk"],
@@ -113,7 +116,7 @@ def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config
     window = WINDOWS.get(config)
     if window is not None:
         monkeypatch.setenv(FRAME_WINDOW_ENV, str(window))
-    extra = ["--dtype", "float32", "--max-total-tokens", "6000", "--context-length", "4096", *CONFIGS[config]]
+    extra = [*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096", *CONFIGS[config]]
     with SglangServer(checkpoint, extra_args=extra, name=f"realtime-{config}") as server:
         url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
         client, model_name = openai_client(server)
@@ -210,7 +213,7 @@ async def faults(url: str, script) -> dict:
 
 def test_refusal_disconnect_and_bad_inputs(checkpoint, reference):
     script = SCRIPTS["six_frames_2fps"]
-    extra = ["--dtype", "float32", "--max-total-tokens", "6000", "--context-length", "4096"]
+    extra = [*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096"]
     with SglangServer(checkpoint, extra_args=[*extra, "--max-running-requests", "3"], name="realtime-faults") as server:
         url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
         result = asyncio.run(faults(url, script))
@@ -247,7 +250,7 @@ def test_memory_pressure_aborts_a_session_and_the_others_go_on(checkpoint, refer
     under memory pressure) hits the sessions' steps: a retracted session ends with an error event and frees its KV;
     a session that completes equals the reference; the server stays up and ends idle."""
     monkeypatch.setenv("SGLANG_TEST_RETRACT", "1")
-    extra = ["--dtype", "float32", "--max-total-tokens", "6000", "--context-length", "4096"]
+    extra = [*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096"]
     with SglangServer(checkpoint, extra_args=extra, name="realtime-retract") as server:
         url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
         sessions = asyncio.run(two_sessions_under_pressure(url))
@@ -321,7 +324,7 @@ def test_parked_sessions_stalling_the_pool_lose_the_heaviest_and_the_others_go_o
     cannot be admitted while nothing runs would wait for their timeouts. The heaviest parked session is evicted
     (an error event at its next input); the request then runs and equals the reference; the other sessions stay
     exact; the pool ends idle. Page 128."""
-    extra = ["--dtype", "float32", "--max-total-tokens", "2048", "--context-length", "2048", "--page-size", "128"]
+    extra = [*SERVER_BASE, "--max-total-tokens", "2048", "--context-length", "2048", "--page-size", "128"]
     with SglangServer(checkpoint, extra_args=extra, name="realtime-parked-stall") as server:
         url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
         result = asyncio.run(parked_sessions_stall_the_pool(url, server))
@@ -379,7 +382,7 @@ def test_a_long_stream_holds_only_its_window(checkpoint, long_reference, page, m
     rounded out to whole pages at both ends) plus its text; without the window the frames alone would need 1500.
     One band per slot on the tiny checkpoint (2 self-attention and 2 cross-attention layers)."""
     monkeypatch.setenv(FRAME_WINDOW_ENV, str(WINDOW_FRAMES - 0.5))
-    extra = ["--dtype", "float32", "--max-total-tokens", "12000", "--context-length", "8192", "--page-size", str(page)]
+    extra = [*SERVER_BASE, "--max-total-tokens", "12000", "--context-length", "8192", "--page-size", str(page)]
     with SglangServer(checkpoint, extra_args=extra, name=f"realtime-long-window-page{page}") as server:
         url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
         result = asyncio.run(long_stream(url, server))
@@ -402,7 +405,7 @@ def test_a_long_stream_holds_only_its_window(checkpoint, long_reference, page, m
 
 API_KEY = "sk-realtime-served"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-KEYED_ARGS = ["--dtype", "float32", "--max-total-tokens", "6000", "--context-length", "4096", "--page-size", "128"]
+KEYED_ARGS = [*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096", "--page-size", "128"]
 
 
 @pytest.fixture(scope="module")
