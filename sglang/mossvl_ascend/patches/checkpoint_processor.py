@@ -13,6 +13,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend import checkpoint_code
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.processor import MossVLProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +26,6 @@ class CheckpointProcessor:
 
     @staticmethod
     def from_pretrained(checkpoint: str, *args: Any, **kwargs: Any):
-        from mossvl_ascend.processor import MossVLProcessor
-
         return MossVLProcessor.from_checkpoint(checkpoint)
 
 

@@ -14,6 +14,8 @@ from sglang.srt.plugins.hook_registry import HookType
 from starlette.routing import WebSocketRoute
 
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
+from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+from mossvl_ascend.realtime.websocket import VIDEO_REALTIME_PATH, mount
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +38,7 @@ def benchmark_mode_from_env() -> bool:
 def mount_realtime_api(*args: Any, **kwargs: Any) -> None:
     """BEFORE hook on ``http_server.launch_server``: ``WS /v1/video/realtime`` and its capabilities route, and the same
     socket on ``WS /v1/realtime`` ahead of stock's ASR endpoint there (which still answers for other models)."""
-    from sglang.srt.entrypoints import http_server
-
-    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
-    from mossvl_ascend.realtime.websocket import VIDEO_REALTIME_PATH, mount
+    from sglang.srt.entrypoints import http_server  # sglang's HTTP server: loaded in the launcher only
 
     if _route_endpoint(http_server.app, VIDEO_REALTIME_PATH) is not None:  # a second launch in this process
         return
