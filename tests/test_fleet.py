@@ -2,8 +2,9 @@
 ``make serve-fleet`` starts it, workers at page size 128, fp32, one fleet for the whole module.
 
 Oracles: the reference transformers model (greedy ids of each chat, computed before any server starts), the reference
-stream for the realtime scripts (``support.realtime``), a direct request to a worker, and smg's own report of the
-worker it chose (``x-smg-routed-worker-id``). The worker kill runs last (the module keeps its order).
+stream for the realtime scripts (``support.realtime``), a direct request to a worker, smg's own report of the
+worker it chose (``x-smg-routed-worker-id``), and each worker's own log of the realtime sessions it stepped and its
+``/v1/loads``. The worker kill runs last (the module keeps its order).
 """
 
 from __future__ import annotations
