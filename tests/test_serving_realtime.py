@@ -1,5 +1,6 @@
 """MOSS-VL-Realtime sessions on the sglang engine (`mossvl_ascend.realtime.engine` over the scheduler side
-`mossvl_ascend.realtime.sessions`, hooked in by `mossvl_ascend.patches.realtime_sessions`), against the reference stream (`moss_vl_reference.realtime_moss_vl`).
+`mossvl_ascend.realtime.sessions`, hooked in by `mossvl_ascend.patches.realtime_sessions`),
+against the reference stream (`moss_vl_reference.realtime_moss_vl`).
 
 Oracle: the reference session driven by the same event script (each input pushed while the stream is parked, then
 run until it parks again), greedy, fp32; every token the served session chose must equal the reference's. The
