@@ -13,7 +13,7 @@ RID_PREFIX = "mossvl-realtime:"
 INTERRUPT_MESSAGE = "mossvl-realtime-interrupt"
 CLOSE_STEP = "close"
 # In a windowed step's sampling ``custom_params``: per new frame, the first frame still in the window after it.
-WINDOW_STARTS_PARAM = "mossvl_window_starts"
+WINDOW_STARTS_PARAM = "mossvl_window_first_frames"
 # The abort message of a step its session's context cannot hold (the session is full; the client's error code
 # `context_exhausted`, the real server's).
 CONTEXT_EXHAUSTED = "realtime context exhausted"
