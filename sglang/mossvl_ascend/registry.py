@@ -16,15 +16,7 @@ from typing import Iterable
 
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from mossvl_ascend.patch_record import (  # noqa: F401  (re-exported: the registry's names for the records)
-    CPU,
-    IMPORT_FALLBACK,
-    NPU,
-    ON_NPU_AND_CPU,
-    PATCH_MODULES,
-    Patch,
-    Verified,
-)
+from mossvl_ascend.patch_record import CPU, IMPORT_FALLBACK, NPU, PATCH_MODULES, Patch, Verified
 
 logger = logging.getLogger(__name__)
 
