@@ -39,7 +39,7 @@ import torch
 
 from mossvl_ascend import side_channel
 from mossvl_ascend.attention.kv_layout import ACTIVE_LAYOUT, encoder_row_len, slot_major_vision_addresses
-from mossvl_ascend.realtime.step_plan import StepPlan, plan_step
+from mossvl_ascend.realtime.step_plan import StepPlan, frame_ends_after, plan_step
 from mossvl_ascend.realtime.wire import (
     CLOSE_STEP,
     CONTEXT_EXHAUSTED,
@@ -213,9 +213,7 @@ class RealtimeSessions:
         mm.num_image_tokens = encoder_rows or None
         side_channel.VISION_TOKENS.set(mm, vision_tokens)
         side_channel.ENCODER_ROWS.set(mm, encoder_rows)
-        frame_ends = list(stream.frame_ends)
-        for length in plan.frame_lens:
-            frame_ends.append((frame_ends[-1] if frame_ends else 0) + length)
+        frame_ends = frame_ends_after(stream.frame_ends, plan.frame_lens)
         side_channel.FRAME_ENDS.set(mm, torch.tensor(frame_ends, dtype=torch.int64) - stream.dropped_tokens)
         visible = torch.zeros(text_rows, dtype=torch.int32)
         visible[len(stream.text_ids) :] = plan.visible_frames
@@ -316,8 +314,7 @@ class RealtimeSessions:
         stream.text_ids.extend(outputs[:-1])
         stream.pending = outputs[-1:]
         stream.encoder_rows, stream.vision_tokens = step.encoder_rows, step.vision_tokens
-        for length in step.plan.frame_lens:
-            stream.frame_ends.append((stream.frame_ends[-1] if stream.frame_ends else 0) + length)
+        stream.frame_ends = frame_ends_after(stream.frame_ends, step.plan.frame_lens)
         stream.frames_encoded += len(step.plan.frame_lens)
         stream.rows_extended += len(step.plan.rows)
         stream.window_start = step.plan.window_start

@@ -25,6 +25,15 @@ def frame_block_positions(start: int, rows: int, cols: int) -> tuple[torch.Tenso
     return torch.cat((block, torch.full((3, 1), last)), dim=1), last
 
 
+def frame_ends_after(frame_ends: list[int], frame_lens: list[int]) -> list[int]:
+    """Every frame's encoder end once frames of ``frame_lens`` vision tokens follow the frames ending at
+    ``frame_ends`` (cumulative: a frame ends where the next one starts)."""
+    ends = list(frame_ends)
+    for length in frame_lens:
+        ends.append((ends[-1] if ends else 0) + length)
+    return ends
+
+
 @dataclass
 class StepPlan:
     """What one step adds: its rows (token ids), their positions and visible frames (the frames from
