@@ -32,11 +32,16 @@ $(STAMP): requirements-sglang-runtime.txt requirements-test.txt sglang/pyproject
 tiny-model: setup ## build (or reuse) the tiny random-weight MOSS-VL checkpoint; prints its directory last
 	$(CPU_ENV) $(PY) -m moss_vl_reference.tiny_checkpoint
 
-test: setup lint ## lint, then run the whole CPU test suite (PYTEST_ARGS= adds pytest options, e.g. --random-order)
-	$(CPU_ENV) $(PY) -m pytest tests -q $(PYTEST_ARGS)
+# Two pytest-xdist workers, a module (or a group of modules sharing servers) each at a time, in the order
+# tests/conftest.py sets (longest first); TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+
+test: setup lint ## lint, then run the whole CPU test suite on TEST_WORKERS=2 workers (PYTEST_ARGS= adds pytest options)
+	$(CPU_ENV) $(PY) -m pytest tests -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup ## the tests that start no server (-m "not served": no sglang server, engine or runner --serve), no lint
-	$(CPU_ENV) $(PY) -m pytest tests -q -m "not served" $(PYTEST_ARGS)
+	$(CPU_ENV) $(PY) -m pytest tests -q -m "not served" $(XDIST) $(PYTEST_ARGS)
 
 lint: setup ## ruff lint and format check over the whole tree (configuration: pyproject.toml)
 	$(VENV)/bin/ruff check .

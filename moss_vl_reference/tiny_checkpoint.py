@@ -27,6 +27,7 @@ choose this project's code (`mossvl_ascend.checkpoint_code`).
 """
 
 import argparse
+import fcntl
 import hashlib
 import json
 import logging
@@ -480,13 +481,21 @@ def write_real_layout(directory: Path, preset: dict, config: MossVLConfig, token
 def build_or_reuse(preset_name: str = "tiny", out: Path | None = None, seed: int = 0) -> Path:
     """The checkpoint directory for (preset, seed), building it unless an identical build exists."""
     out = Path(out) if out is not None else REPO_ROOT / "build" / f"{preset_name}-moss-vl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time per directory (the test suite's parallel workers ask for the same checkpoints): a second
+    # caller waits, then finds the first one's build.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_unless_built(preset_name, out, seed)
+
+
+def _build_unless_built(preset_name: str, out: Path, seed: int) -> Path:
     fingerprint = source_fingerprint(preset_name, seed)
     stamp = out / STAMP
     if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == fingerprint:
         logger.info("reusing %s", out)
         return out
     started = time.monotonic()
-    out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         write_checkpoint(staging, preset_name, seed)

@@ -61,13 +61,27 @@ SERVED_WITHOUT_POOL = {
     },
     "test_serving_realtime_ws.py": "*",
 }
-# Served modules whose servers the pool shares, in the order that lets each borrow the one before's (the other
-# served modules follow, by name; modules with no served test run first, in collection order).
-SHARED_SERVER_ORDER = [
-    "test_serving.py",
-    "test_serving_cache.py",  # borrows test_serving.py's page-1 and page-128 servers
-    "test_serving_paged.py",
-    "test_serving_chunked.py",  # borrows the paged module's last server, the unchunked page-1 baseline
+# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): each module is one unit of work, sent
+# whole to one worker (its module-scoped fixtures, servers among them, are set up once). Modules whose servers the
+# pool shares form one unit, in the order that lets each borrow the one before's.
+SHARED_SERVER_GROUPS = [
+    ["test_serving_paged.py", "test_serving_chunked.py"],  # the chunked module borrows the paged module's last server
+    ["test_serving.py", "test_serving_cache.py"],  # the cache module borrows test_serving.py's two servers
+]
+# The units a worker takes first, longest first (wall seconds in the fresh-clone CI of 2026-12-03, docs/testing.md),
+# so that the longest ones do not start last; the units not named here follow, by name.
+LONGEST_FIRST = [
+    "test_serving_paged.py",  # with test_serving_chunked.py: 561 s
+    "test_serving_realtime_ws.py",  # 450 s
+    "test_serving_multirank.py",  # 297 s
+    "test_fleet.py",  # 138 s
+    "test_serving_kv_layout.py",  # 130 s
+    "test_serving.py",  # with test_serving_cache.py: 119 s
+    "test_launch.py",  # 103 s
+    "test_real_layout_checkpoint.py",  # 93 s
+    "test_npu_route_served.py",  # 89 s
+    "test_bench_realtime.py",  # 84 s
+    "test_serving_realtime.py",  # 83 s
 ]
 # At most this many servers alive at once (more only while every one is in use): ~1.5 GB each.
 POOL_MAX_ALIVE = 2
@@ -111,20 +125,30 @@ def starts_a_server(item) -> bool:
     return bool(registered & set(item.fixturenames)) or getattr(item, "originalname", item.name) in registered
 
 
+def work_unit(module: str) -> str:
+    """The xdist group of a module: its shared-server group's first module, else itself."""
+    for group in SHARED_SERVER_GROUPS:
+        if module in group:
+            return group[0]
+    return module
+
+
+# tryfirst: the groups are set before xdist's own hook turns them into the units it distributes.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if starts_a_server(item):
             item.add_marker(pytest.mark.served)
-    served_modules = {item.path.name for item in items if item.get_closest_marker("served")}
+        item.add_marker(pytest.mark.xdist_group(work_unit(item.path.name)))
 
-    def module_rank(item):
-        name = item.path.name
-        if name not in served_modules:
-            return (0, 0, "")
-        shared = SHARED_SERVER_ORDER.index(name) if name in SHARED_SERVER_ORDER else len(SHARED_SERVER_ORDER)
-        return (1, shared, name)
+    def rank(item):
+        module = item.path.name
+        unit = work_unit(module)
+        first = LONGEST_FIRST.index(unit) if unit in LONGEST_FIRST else len(LONGEST_FIRST)
+        within = next((group.index(module) for group in SHARED_SERVER_GROUPS if module in group), 0)
+        return (first, unit if first == len(LONGEST_FIRST) else "", within)
 
-    items.sort(key=module_rank)  # stable: each module keeps its own order
+    items.sort(key=rank)  # stable: each module keeps its own order
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -136,13 +160,27 @@ def pytest_runtest_setup(item):
         os.environ[served_guard.UNMARKED_TEST_ENV] = item.nodeid
 
 
+def pytest_sessionstart(session):
+    # An xdist controller runs no test: it is sent each worker's table instead (pytest_testnodedown).
+    TIMINGS.from_workers = session.config.pluginmanager.has_plugin("dsession")
+
+
 def pytest_runtest_logreport(report):
-    TIMINGS.add_test_phase(Path(report.fspath).name, report.duration, "served" in report.keywords)
+    if not TIMINGS.from_workers:
+        TIMINGS.add_test_phase(Path(report.fspath).name, report.duration, "served" in report.keywords)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook
+def pytest_testnodedown(node, error):
+    TIMINGS.merge(node.workeroutput.get("timings", {}))
 
 
 def pytest_sessionfinish(session):
     os.environ.pop(served_guard.UNMARKED_TEST_ENV, None)
-    TIMINGS.write(TIMINGS_PATH)
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its table goes to the controller
+        session.config.workeroutput["timings"] = TIMINGS.rows()
+    else:
+        TIMINGS.write(TIMINGS_PATH)
 
 
 def pytest_terminal_summary(terminalreporter):

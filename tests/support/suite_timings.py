@@ -2,7 +2,8 @@
 servers took to start, how many it started and how many it borrowed from the pool (``support.server_pool``).
 
 ``tests/conftest.py`` feeds it (``current_module`` before each test, every server start through the wrapped
-``SglangServer.start``, every reuse through the pool) and writes ``build/test-timings.json`` at the session's end.
+``SglangServer.start``, every reuse through the pool) and writes ``build/test-timings.json`` at the session's end;
+under pytest-xdist each worker keeps its own and the controller merges them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 class SuiteTimings:
     def __init__(self):
         self.current_module = "(no test)"
+        self.from_workers = False  # an xdist controller: the rows are the workers', merged
         self.modules = defaultdict(
             lambda: {"wall_s": 0.0, "startup_s": 0.0, "servers_started": 0, "servers_reused": 0, "served": False}
         )
@@ -31,6 +33,16 @@ class SuiteTimings:
 
     def add_server_reuse(self) -> None:
         self.modules[self.current_module]["servers_reused"] += 1
+
+    def rows(self) -> dict[str, dict]:
+        return {module: dict(row) for module, row in self.modules.items()}
+
+    def merge(self, rows: dict[str, dict]) -> None:
+        """Add another process's rows (an xdist worker's) to these."""
+        for module, other in rows.items():
+            row = self.modules[module]
+            for key, value in other.items():
+                row[key] = row[key] | value if key == "served" else row[key] + value
 
     def served_rows(self) -> list[tuple[str, dict]]:
         """Modules that ran a served test or started a server, most expensive first."""
