@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -240,8 +241,23 @@ def server_command(
     return args + extra_args
 
 
+# Servers stopped with ``stop(wait=False)`` whose exit a thread still waits for (:func:`join_stopping`).
+STOPPING: list[threading.Thread] = []
+
+
+def join_stopping() -> None:
+    """Wait until every server stopped with ``wait=False`` is gone, its process group killed."""
+    while STOPPING:
+        STOPPING.pop().join()
+
+
 class SglangServer:
     """A server process on 127.0.0.1 that is stopped by its PID, whatever happens (use as a context manager)."""
+
+    # Whether leaving the ``with`` block waits until the server is gone. sglang's graceful exit takes ~8 s (its
+    # SIGTERM watchdog polls every 5 s, then the scheduler tears down); the test suite, which starts ~40 servers,
+    # turns this off and calls join_stopping() at its end.
+    wait_on_exit = True
 
     def __init__(
         self,
@@ -264,6 +280,7 @@ class SglangServer:
         self._use_port(port or free_port())
         self.process: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
+        self._reaper: threading.Thread | None = None
 
     def _use_port(self, port: int) -> None:
         self.port = port
@@ -276,7 +293,7 @@ class SglangServer:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.stop()
+        self.stop(wait=self.wait_on_exit)
 
     def start(self, port_attempts: int = 3) -> None:
         """Start the server and wait until it is healthy; a chosen port that another socket took first is replaced
@@ -330,11 +347,26 @@ class SglangServer:
             time.sleep(0.5)
         raise TimeoutError(f"server not healthy after {self.ready_timeout_s:.0f} s; log tail:\n{self.log_tail()}")
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """SIGTERM to the launcher (it tears down its scheduler and detokenizer), up to 30 s for it to exit, then
+        SIGKILL to its process group (children a crashed launcher left behind). ``wait=False`` returns after the
+        SIGTERM and leaves the rest to a thread (:func:`join_stopping`)."""
+        if self._reaper is not None:
+            if wait:
+                self._reaper.join()
+            return
         if self.process is None or self.process.poll() is not None:
             return
+        self.process.send_signal(signal.SIGTERM)
+        if wait:
+            self._reap()
+            return
+        self._reaper = threading.Thread(target=self._reap, name=f"stop-{self.name}-{self.port}", daemon=True)
+        self._reaper.start()
+        STOPPING.append(self._reaper)
+
+    def _reap(self) -> None:
         pid = self.process.pid
-        self.process.send_signal(signal.SIGTERM)  # the launcher tears down its scheduler and detokenizer
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -96,6 +96,8 @@ def pytest_configure(config):
         "markers", "served: starts a server (sglang HTTP, in-process sglang.Engine, runner --serve)"
     )
     _record_server_starts()
+    # A test's server exits while the next test runs (its ~8 s graceful exit is sleep); the session's end waits.
+    launch.SglangServer.wait_on_exit = False
 
 
 def _record_server_starts() -> None:
@@ -177,6 +179,7 @@ def pytest_testnodedown(node, error):
 
 def pytest_sessionfinish(session):
     os.environ.pop(served_guard.UNMARKED_TEST_ENV, None)
+    launch.join_stopping()
     if hasattr(session.config, "workeroutput"):  # an xdist worker: its table goes to the controller
         session.config.workeroutput["timings"] = TIMINGS.rows()
     else:

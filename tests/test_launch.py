@@ -62,6 +62,7 @@ def test_free_port_is_bindable_and_below_the_ephemeral_range_and_sglangs_own_por
 
 
 def test_a_chosen_port_taken_before_the_server_binds_is_replaced(stand_in, held_port, monkeypatch):
+    monkeypatch.setattr(SglangServer, "wait_on_exit", True)  # a user's default (the suite's conftest turns it off)
     ports = iter([held_port])
     monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or free_port())
     started = time.monotonic()
@@ -72,6 +73,42 @@ def test_a_chosen_port_taken_before_the_server_binds_is_replaced(stand_in, held_
         assert launch.PORT_TAKEN_MESSAGE in first_log.read_text()
     assert time.monotonic() - started < 60
     assert server.process.poll() is not None
+
+
+SLOW_EXIT_STAND_IN = """
+import http.server, signal, sys, time
+
+def slow_exit(signum, frame):
+    time.sleep(3)  # sglang's graceful exit: a drain poll, then the scheduler's teardown
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, slow_exit)
+port = int(sys.argv[1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_leaving_the_block_without_waiting_stops_it_in_the_background(monkeypatch):
+    monkeypatch.setattr(
+        launch,
+        "server_command",
+        lambda model_path, port, device, extra_args: [sys.executable, "-c", SLOW_EXIT_STAND_IN, str(port)],
+    )
+    monkeypatch.setattr(SglangServer, "wait_on_exit", False)
+    with SglangServer("unused-model", name="launch-slow-exit") as server:
+        pass
+    left = time.monotonic()
+    assert server.process.poll() is None, "the block returned before the graceful exit ended"
+    launch.join_stopping()
+    assert server.process.poll() == 0, "the graceful exit ran to its end (no SIGKILL)"
+    assert time.monotonic() - left >= 2
+    server.stop()  # a second stop of a stopped server is a no-op
 
 
 def test_a_fixed_port_that_is_taken_fails_at_once_and_leaves_no_process(stand_in, held_port):
