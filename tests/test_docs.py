@@ -211,7 +211,9 @@ def flags_of(owner: str) -> frozenset[str]:
         RouterArgs.add_cli_args(parser)
         return frozenset(parser._option_string_actions)
     if owner == "pytest":
-        return frozenset(_option_strings(_sources_under("_pytest") + _sources_under("random_order")))
+        return frozenset(
+            _option_strings(_sources_under("_pytest") + _sources_under("random_order") + _sources_under("xdist"))
+        )
     sources = argparse_sources(owner)
     return frozenset(_option_strings("\n".join((REPO_ROOT / p).read_text() for p in sources)) | {"--help"})
 
