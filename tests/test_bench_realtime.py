@@ -2,7 +2,7 @@
 tiny-realtime checkpoint with 1 and 2 WebSocket sessions at 1 and 2 fps) and its table and RESULT line parse.
 
 Timings are not judged (the machine is shared): only that every row is there, every frame was processed, the
-numbers are positive and the keeps-up figures are session counts consistent with the rows.
+latencies are ordered with a positive tail, and the keeps-up figures are session counts consistent with the rows.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def test_quick_prints_a_sane_table_and_result_line():
     for key, groups in rows.items():
         processed, pushed, p50, p95, max_lag, ttft, kept, sessions, keeps_up, peak, elsewhere = groups[3:]
         assert int(processed) == int(pushed) > 0, key  # every frame processed, none lost
-        assert 0 < int(p50) <= int(p95), key
+        # A frame's latency is timed by the client's arrival of two events; when its loop reads both in one go (the
+        # machine busy elsewhere), that frame measures 0 ms, so only the tail must be positive.
+        assert 0 <= int(p50) <= int(p95) and int(p95) > 0, key
         assert int(max_lag) > 0 and int(peak) > 0 and float(elsewhere) >= 0, key
         assert ttft == "-" or int(ttft) >= 0, (
             key
