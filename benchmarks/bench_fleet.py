@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import io
 import logging
 import os
 import signal
@@ -53,7 +52,7 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks.bench_realtime import TOLERANCE, noise_frame, percentile  # noqa: E402
 from moss_vl_reference.tiny_checkpoint import build_or_reuse  # noqa: E402
 from serving.fleet import ROUTED_WORKER_HEADER, Fleet  # noqa: E402
-from serving.realtime_client import GATEWAY_PATH, RealtimeClient, realtime_url  # noqa: E402
+from serving.realtime_client import GATEWAY_PATH, RealtimeClient, png_bytes, realtime_url  # noqa: E402
 
 logger = logging.getLogger("bench_fleet")
 
@@ -66,9 +65,7 @@ AUTH = {"Authorization": "Bearer none"}  # smg relays a realtime socket only for
 
 
 def image_part(seed: int) -> dict:
-    buffer = io.BytesIO()
-    noise_frame(seed, 64).save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(noise_frame(seed, 64))).decode()
     return {"type": "image_url", "image_url": {"url": url}}
 
 
