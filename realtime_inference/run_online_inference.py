@@ -64,7 +64,7 @@ REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from fastapi import FastAPI, WebSocket  # noqa: E402
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect  # noqa: E402
 from PIL import Image, UnidentifiedImageError  # noqa: E402
 
 from inference.cli_flags import add_runner_flags  # noqa: E402
@@ -635,7 +635,16 @@ class RealtimeConnection:
                     await self.websocket.close(code=1000)
 
     async def next_message(self) -> Optional[dict]:
-        """The next client message, or None once the session has ended first."""
+        """The next client message, or None once the session has ended first (or the client left before ``start``).
+        Before the session starts, messages are read as text (``receive_text``), as upstream's service reads its
+        ``start``; a binary message there gets the error of bytes without a frame header."""
+        if self.session is None:
+            try:
+                return {"type": "websocket.receive", "text": await self.websocket.receive_text()}
+            except WebSocketDisconnect:
+                return None
+            except KeyError:  # Starlette's receive_text on a binary message
+                return {"type": "websocket.receive", "bytes": b""}
         receiving = asyncio.ensure_future(self.websocket.receive())
         ending = asyncio.ensure_future(self.ended.wait())
         done, _ = await asyncio.wait({receiving, ending}, return_when=asyncio.FIRST_COMPLETED)
@@ -859,13 +868,16 @@ def create_service_app(
 
     @app.websocket("/v1/realtime")
     async def realtime(websocket: WebSocket) -> None:
-        presented = presented_key(websocket)
-        if api_key and (presented is None or not secrets.compare_digest(presented, api_key)):
-            await refuse_handshake(websocket, 401)
-            return
-        offered = websocket.scope.get("subprotocols") or ()
         # Accept before any other refusal: a refusal before the handshake would reach clients as HTTP 403.
-        await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
+        if api_key:
+            presented = presented_key(websocket)
+            if presented is None or not secrets.compare_digest(presented, api_key):
+                await refuse_handshake(websocket, 401)
+                return
+            offered = websocket.scope.get("subprotocols") or ()
+            await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
+        else:  # no key: the handshake is not read at all, as upstream's service (its test sockets have no headers)
+            await websocket.accept()
         if app.state.busy:
             await websocket.close(code=1013, reason="another realtime session is active; try again later")
             return

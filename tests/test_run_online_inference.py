@@ -7,6 +7,7 @@ model's own ``offline_generate`` stream over the same frames, timestamps and pro
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import io
 import json
@@ -347,6 +348,84 @@ def test_without_a_key_the_service_socket_is_open(service):
         receive_until(ws, "session_end")
 
 
+class HeaderlessSocket:
+    """A service socket as upstream MOSS-VL's own service tests drive the endpoint: no ``headers``, no ``scope``, an
+    ``accept()`` without arguments, ``receive_text()`` answering ``start``, a ``receive()`` that never returns."""
+
+    def __init__(self):
+        self.messages, self.closed_with = [], []
+
+    async def accept(self):
+        pass
+
+    async def receive_text(self):
+        return json.dumps({"type": "start"})
+
+    async def receive(self):
+        await asyncio.Event().wait()
+
+    async def send_json(self, payload):
+        self.messages.append(payload)
+
+    async def close(self, code=None):
+        self.closed_with.append(code)
+
+
+class ScriptedSession:
+    """Upstream's session API answering ``poll_output`` from a script (a raised exception is raised); inactive."""
+
+    active, pending_frames = False, 0
+
+    def __init__(self, outcomes):
+        self.outcomes = list(outcomes)
+
+    def start(self):
+        pass
+
+    def poll_output(self, timeout):
+        outcome = self.outcomes.pop(0) if self.outcomes else None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def close(self, timeout):
+        pass
+
+
+def upstream_defaults() -> Namespace:
+    """The settings namespace upstream's service tests build (no key, media root or frame window)."""
+    return Namespace(
+        decode_batch_size=8, do_sample=False, frame_queue_size=256, max_frame_bytes=20 * 1024 * 1024,
+        max_new_tokens=4096, max_tokens_per_second=12, prompt="Describe the video.", repetition_penalty=1.0,
+        sample_fps=1.0, system_prompt=None, temperature=0.7, top_k=20, top_p=0.8,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "last, ending",
+    [
+        (None, {"type": "session_end"}),
+        (RuntimeError("inference failed"), {"type": "error", "message": "inference failed"}),
+    ],
+)
+def test_a_headerless_socket_gets_every_output_before_the_end_without_a_key(last, ending):
+    """Upstream's service tests: with no key configured the endpoint reads nothing from the handshake (their socket
+    has no headers), reads ``start`` with ``receive_text``, sends every output, then ``session_end`` or the error,
+    and returns (closing the socket) though ``receive`` never answers."""
+    model = Namespace(create_realtime_session=lambda *a, **k: ScriptedSession(["first chunk", "final chunk", last]))
+    app = online.create_service_app(model, processor=object(), defaults=upstream_defaults())
+    endpoint = next(route.endpoint for route in app.routes if getattr(route, "path", None) == "/v1/realtime")
+    socket = HeaderlessSocket()
+    asyncio.run(asyncio.wait_for(endpoint(socket), 20))
+    assert socket.messages == [
+        {"type": "ready"},
+        {"type": "output", "text": "first chunk"},
+        {"type": "output", "text": "final chunk"},
+        ending,
+    ]
+    assert socket.closed_with == [1000]
+
+
 def test_session_streams_output_and_drains_before_session_end(service):
     model, client = service()
     with client, client.websocket_connect("/v1/realtime") as ws:
@@ -467,6 +546,8 @@ def test_messages_before_start_are_refused_without_a_session(service):
     with client, client.websocket_connect("/v1/realtime") as ws:
         ws.send_json({"type": "prompt", "text": "hi"})
         assert ws.receive_json() == {"type": "error", "message": "send 'start' before 'prompt'"}
+        ws.send_bytes(png_bytes())
+        assert ws.receive_json() == {"type": "error", "message": "binary message without a preceding frame header"}
         ws.send_json({"type": "start", "max_new_tokens": 0})
         assert "'max_new_tokens' must be a number >= 1" in ws.receive_json()["message"]
         ws.send_json({"type": "start"})
