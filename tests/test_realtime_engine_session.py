@@ -116,6 +116,20 @@ def test_a_frame_mid_turn_continues_the_turn(processor):
     assert second.sampling_params["max_new_tokens"] == LIMIT - generated_first, "the turn's allowance continues"
 
 
+def test_a_frame_travels_in_its_step_request_as_stock_preprocessed_image_data(processor):
+    """The step carrying a frame has it as its one ``image_data`` entry in stock's preprocessed form, the patches
+    the checkpoint's image processor makes of that image (by the image rule); the step before it carries none."""
+    import torch
+
+    manager, _, _, _ = asyncio.run(run_barge_in(processor, "frame"))
+    first, second = manager.requests[:2]
+    assert first.image_data is None
+    (entry,) = second.image_data
+    pixels, grid = processor.image_processor.realtime_frame(noise_image(1))
+    assert entry["format"] == "processor_output"
+    assert torch.equal(entry["pixel_values"], pixels) and entry["grid_thw"].tolist() == [list(grid)]
+
+
 def test_the_scheduler_hook_finishes_a_running_step_after_its_next_token():
     from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH

@@ -41,12 +41,20 @@ ENCODER_ROWS: Attached[int] = Attached("mossvl_encoder_rows", "MultimodalInputs"
 # a realtime step's every frame's encoder end so far (int64 tensor, numbered from the first vision token still
 # cached: a frame the window evicted ends at or below 0).
 FRAME_ENDS: Attached[Any] = Attached("mossvl_frame_ends", "MultimodalInputs")
+# a realtime step's new vision tokens (``realtime.sessions.NewVision``), when it has new frames: which tokens its
+# first extend writes.
+STEP_NEW_VISION: Attached[Any] = Attached("mossvl_step_new_vision", "MultimodalInputs")
 # a windowed realtime step's first visible frame per text row (int32 tensor).
 WINDOW_STARTS: Attached[Any] = Attached("mossvl_window_starts", "MultimodalInputs")
 
 # sglang's ForwardBatch: the per-forward attention metadata (``attention.metadata.ForwardAttentionMetadata``),
 # built once and read by every layer.
 ATTENTION_METADATA: Attached[Any] = Attached("mossvl_attention_metadata", "ForwardBatch")
+
+# An attention backend with decode graphs: its static decode inputs (``attention.decode_step.DecodeBuffers``,
+# allocated once per graph state) and the view of them the current captured or replayed step reads.
+DECODE_BUFFERS: Attached[Any] = Attached("mossvl_decode_buffers", "attention backend")
+DECODE_VIEW: Attached[Any] = Attached("mossvl_decode_view", "attention backend")
 
 # A KV pool shaped by the MOSS-VL layout: how it addresses vision tokens (``attention.kv_layout.EncoderAddressing``)
 # and the bytes of its storage layers (what the layout spends, for the start-up log and the tests).

@@ -79,12 +79,14 @@ def interrupt_step(original: Callable, scheduler, recv_req, *args: Any, **kwargs
     return None
 
 
-async def step_multimodal_inputs(original: Callable, processor, *args: Any, request_obj=None, **kwargs: Any):
+async def step_multimodal_inputs(
+    original: Callable, processor, image_data=None, *args: Any, request_obj=None, **kwargs: Any
+):
     """AROUND MOSS-VL's ``process_mm_data_async``: a realtime step's rows and frames are carried as the session
     made them (the scheduler completes them)."""
     if parse_step_rid(getattr(request_obj, "rid", None)) is None:
-        return await original(processor, *args, request_obj=request_obj, **kwargs)
-    return step_processor_output(processor, request_obj)
+        return await original(processor, image_data, *args, request_obj=request_obj, **kwargs)
+    return step_processor_output(processor, request_obj, image_data)
 
 
 PATCHES = (
@@ -96,11 +98,13 @@ PATCHES = (
         platforms=ON_NPU_AND_CPU,
         why=(
             "the HF processor would re-tokenize a step's text (the generated token in front of it may not survive "
-            "a decode round trip) and patchify its frames at the image budget, while the stream uses the video one"
+            "a decode round trip) and compute positions for the step alone, while a step continues its session; "
+            "its frames are already patches (by the image rule, as the published realtime loop sizes a frame)"
         ),
         how=(
-            "for rid `mossvl-realtime:...`: the request's token ids as they are and the frames the session "
-            "patchified (handed over in this process by rid); positions are placeholders the scheduler replaces"
+            "for rid `mossvl-realtime:...`: the request's token ids as they are, and its frames' patches from its "
+            "one `image_data` entry in stock's preprocessed form (`format: processor_output`) as multimodal items; "
+            "positions are placeholders the scheduler replaces"
         ),
         upstream="not in sglang",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",

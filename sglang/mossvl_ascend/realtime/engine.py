@@ -60,25 +60,27 @@ SILENCE_TOKEN = "<|silence|>"
 FRAME_WINDOW_ENV = "MOSSVL_REALTIME_FRAME_WINDOW_S"
 CONTROL_TOKEN = re.compile(r"^<\|[^|]+\|>$")
 
-# Pixels of each step's new frames, from the session (this process) to the MOSS-VL processor hook (this process).
-_STEP_FRAMES: dict[str, tuple] = {}
+
+def step_frames_input(pixel_values, grid_thw) -> dict:
+    """A step's new frames as its request's one ``image_data`` entry, in stock's preprocessed form (``format:
+    processor_output``): the patches this session made (:meth:`ServedSession._patches`) and their grids."""
+    return {"format": "processor_output", "pixel_values": pixel_values, "grid_thw": grid_thw}
 
 
-def step_processor_output(processor, request_obj):
+def step_processor_output(processor, request_obj, image_data):
     """What MOSS-VL's processor returns for a realtime step (the tokenizer's side, this process): the step's token
     ids as they are (the session built them; re-tokenizing could change the generated token in front) and its new
-    frames as the session patchified them (:meth:`ServedSession._patches`, handed over here by rid). Positions are
+    frames as its request carries them (``image_data``: at most one :func:`step_frames_input`). Positions are
     placeholders the scheduler replaces (:meth:`mossvl_ascend.realtime.sessions.RealtimeSessions.prepare_step`)."""
     import torch
     from sglang.srt.managers.schedule_batch import MultimodalProcessorOutput
 
     ids = list(request_obj.input_ids)
-    frames = _STEP_FRAMES.pop(request_obj.rid, None)
     items = []
-    if frames is not None:
-        pixel_values, grid_thw = frames
-        items = processor._build_mm_items({"pixel_values": pixel_values, "grid_thw": grid_thw}, torch.tensor(ids))
-        items = processor._prepare_mm_items_for_transport(items)
+    if image_data:
+        (frames,) = image_data
+        patches = {"pixel_values": frames["pixel_values"], "grid_thw": frames["grid_thw"]}
+        items = processor._prepare_mm_items_for_transport(processor._build_mm_items(patches, torch.tensor(ids)))
     placeholder = torch.arange(len(ids), dtype=torch.int64).expand(3, -1).clone()
     return MultimodalProcessorOutput(
         input_ids=ids,
@@ -387,8 +389,6 @@ class ServedSession:
         from sglang.srt.managers.io_struct import AbortReq, GenerateReqInput
 
         rid = step_rid(self.session_id, next(self.steps))
-        if frames:
-            _STEP_FRAMES[rid] = self._patches(frames)
         input_ids = self.generated[-1:] + rows  # the token generated last goes through the model with the rows
         # What the step may write is bounded by the context (the scheduler bounds it again by the session's room):
         # a turn's allowance larger than the context is no reason to refuse the step.
@@ -396,6 +396,7 @@ class ServedSession:
         request = GenerateReqInput(
             rid=rid,
             input_ids=input_ids,
+            image_data=[step_frames_input(*self._patches(frames))] if frames else None,
             sampling_params=self._sampling(step_tokens, self._window_starts(frames)),
             stream=True,
             return_logprob=self.config.return_logprob,
@@ -429,7 +430,6 @@ class ServedSession:
                     interrupted = True
         finally:
             self.running_rid = None
-            _STEP_FRAMES.pop(rid, None)
         if not seen:
             raise RealtimeError("session_aborted", f"step {rid} produced no token")
         self.segments.append((rows, [frame.timestamp for frame in frames], seen))

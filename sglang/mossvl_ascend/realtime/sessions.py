@@ -89,7 +89,15 @@ class RunningStep:
     vision_tokens: int
     prepared: bool = False  # its row rewrite ran (match_prefix runs again for every scheduling attempt)
     new_vision_from: int = 0  # the first vision token this step writes
-    encoded: bool = False  # its new frames went through the vision tower (only its first extend writes them)
+
+
+@dataclass(frozen=True)
+class NewVision:
+    """A step's new vision tokens, as the scheduler records them for the forward: the first one (in the step's
+    encoder row, slot-major) and the text rows kept before the step (its first extend starts there)."""
+
+    first: int
+    text_from: int
 
 
 def _page_size(scheduler_or_cache) -> int:
@@ -225,6 +233,8 @@ class RealtimeSessions:
         mm.mrope_positions = torch.cat((stream.positions, plan.positions), dim=1)
         mm.mrope_position_delta = torch.tensor([[plan.next_position - text_rows]], dtype=torch.int64)
         mm.vision_position_ids = plan.vision_positions
+        if vision_tokens > stream.vision_tokens:
+            side_channel.STEP_NEW_VISION.set(mm, NewVision(first=stream.vision_tokens, text_from=len(stream.text_ids)))
         stream.step = RunningStep(req.rid, plan, encoder_rows, vision_tokens, new_vision_from=stream.vision_tokens)
         req.customized_info = {
             USAGE_INFO_KEY: [
@@ -359,27 +369,27 @@ class RealtimeSessions:
     def step_vision_in_the_forward(self, forward_batch, batch, addressing):
         """(per request, the vision tokens a realtime step's forward sees, None for other requests; batch index ->
         slot-major unit addresses of a step's new vision tokens, the K/V write locations), or None when the batch
-        has no realtime step. A step with new vision tokens is marked uncached, so the vision tower runs on its new
-        frames."""
-        if not any(parse_step_rid(rid) for rid in getattr(forward_batch, "rids", None) or ()):
-            return None
-        steps = [self.running_step(req) for req in batch.reqs]
-        if not any(steps):
+        has no realtime step. Read from what :meth:`prepare_step` recorded on each request's multimodal inputs: the
+        step's new vision tokens go through the vision tower in the extend that starts at the step's first row (a
+        later chunk of it starts further on), which is marked uncached."""
+        mms = [req.multimodal_inputs for req in batch.reqs]
+        rows = [side_channel.ENCODER_ROWS.get(mm) for mm in mms]
+        if not any(row is not None for row in rows):
             return None
         new_addresses: dict[int, torch.Tensor] = {}
         if forward_batch.forward_mode.is_extend():
             req_to_token = batch.req_to_token_pool.req_to_token
-            for i, (req, step) in enumerate(zip(batch.reqs, steps)):
-                if step is None or step.encoded or step.vision_tokens == step.new_vision_from:
+            for i, (req, mm) in enumerate(zip(batch.reqs, mms)):
+                new_vision = side_channel.STEP_NEW_VISION.get(mm)
+                if new_vision is None or forward_batch.extend_prefix_lens_cpu[i] != new_vision.text_from:
                     continue
-                row = req_to_token[req.kv.req_pool_idx, : step.encoder_rows]
-                addresses = slot_major_vision_addresses(
-                    row, step.vision_tokens, addressing.bands, addressing.band_stride
-                )
-                new_addresses[i] = addresses[step.new_vision_from :]
+                vision_tokens = side_channel.VISION_TOKENS.get(mm)
+                row = req_to_token[req.kv.req_pool_idx, : rows[i]]
+                addresses = slot_major_vision_addresses(row, vision_tokens, addressing.bands, addressing.band_stride)
+                new_addresses[i] = addresses[new_vision.first :]
                 forward_batch.encoder_cached[i] = False
-                step.encoded = True
-        return [None if step is None else step.vision_tokens for step in steps], new_addresses
+        tokens = [None if row is None else side_channel.VISION_TOKENS.get(mm) for mm, row in zip(mms, rows)]
+        return tokens, new_addresses
 
     # -- memory pressure and admission --
 
