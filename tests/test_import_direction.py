@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, list[list[str]]]] = [
         "attention",
         [
             ["mossvl_ascend.attention", "mossvl_ascend.attention.sglang_layer"],
+            ["mossvl_ascend.attention.decode_step"],
             ["mossvl_ascend.attention.core"],
             ["mossvl_ascend.attention.metadata"],
             ["mossvl_ascend.attention.blocks", "mossvl_ascend.attention.kv_layout"],
@@ -57,6 +58,7 @@ LAYERS: list[tuple[str, list[list[str]]]] = [
             ],
         ],
     ),
+    ("media", [["mossvl_ascend.media", "mossvl_ascend.media.access", "mossvl_ascend.media.sampling"]]),
     (
         "shared contracts",
         [["mossvl_ascend.side_channel", "mossvl_ascend.patch_record", "mossvl_ascend.checkpoint_code"]],

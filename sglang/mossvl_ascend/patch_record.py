@@ -25,6 +25,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "realtime_api",
     "encoder_cache_key",
     "request_validation",
+    "media_requests",
     "text_only_requests",
     "checkpoint_processor",
     "chunked_prefill",
@@ -36,6 +37,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vision_rotary",
     "ascend_sampler",
     "cpu_attention",
+    "cpu_graph",
     "cpu_parallel",
     "rank_report",
 )

@@ -229,20 +229,39 @@ def metadata_of_forward_batch(forward_batch) -> ForwardAttentionMetadata:
     set one) and attached, so the first layer builds it and every later layer reuses it."""
     metadata = attached(forward_batch)
     if metadata is None:
-        device = forward_batch.seq_lens.device
-        encoder_lens = _encoder_lens_list(forward_batch)
         if forward_batch.forward_mode.is_decode():
-            metadata = ForwardAttentionMetadata.for_decode(_seq_lens_list(forward_batch), encoder_lens, device)
+            metadata = decode_metadata(forward_batch)
         else:
             metadata = ForwardAttentionMetadata.from_packed_mask(
                 list(forward_batch.extend_seq_lens_cpu),
                 list(forward_batch.extend_prefix_lens_cpu),
-                encoder_lens,
+                _encoder_lens_list(forward_batch),
                 forward_batch.cross_attention_custom_mask,
-                device,
+                forward_batch.seq_lens.device,
             )
-        attach(forward_batch, _with_realtime_rows(metadata, forward_batch))
+            metadata = _with_realtime_rows(metadata, forward_batch)
+        attach(forward_batch, metadata)
     return metadata
+
+
+def decode_metadata(forward_batch) -> ForwardAttentionMetadata:
+    """A decode forward's metadata: one row per request, every frame visible (a realtime row: its encoder row and
+    frame window)."""
+    metadata = ForwardAttentionMetadata.for_decode(
+        _seq_lens_list(forward_batch), _encoder_lens_list(forward_batch), forward_batch.seq_lens.device
+    )
+    return _with_realtime_rows(metadata, forward_batch)
+
+
+def decode_row_gate(forward_batch) -> list[bool]:
+    """Per decode row, whether it keeps its cross-attention residual: it has vision tokens and the last prompt row
+    it inherits saw at least one frame (a request without visible-frame counts sees every frame)."""
+    gate = []
+    for i, encoder_len in enumerate(_encoder_lens_list(forward_batch)):
+        mm_input = forward_batch.mm_inputs[i] if forward_batch.mm_inputs else None
+        counts = getattr(mm_input, "visible_frame_counts", None) if mm_input is not None else None
+        gate.append(bool(encoder_len) and (counts is None or bool(counts[-1] > 0)))
+    return gate
 
 
 def _with_realtime_rows(metadata: ForwardAttentionMetadata, forward_batch) -> ForwardAttentionMetadata:
@@ -277,11 +296,10 @@ def _encoder_lens_list(forward_batch) -> list[int]:
 
 def metadata_from_visible_frames(forward_batch, spatial_merge_size: int) -> ForwardAttentionMetadata:
     """The prepare_forward_batch hook's builder: boundaries from each request's visible-frame counts."""
+    if forward_batch.forward_mode.is_decode():
+        return decode_metadata(forward_batch)
     device = forward_batch.seq_lens.device
     encoder_lens = _encoder_lens_list(forward_batch)
-    if forward_batch.forward_mode.is_decode():
-        metadata = ForwardAttentionMetadata.for_decode(_seq_lens_list(forward_batch), encoder_lens, device)
-        return _with_realtime_rows(metadata, forward_batch)
     extend_lens = list(forward_batch.extend_seq_lens_cpu)
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
     boundaries = []

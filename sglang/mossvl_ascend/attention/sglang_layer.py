@@ -2,7 +2,8 @@
 
 Translates sglang's objects (RadixAttention layer, ForwardBatch, token-to-KV pool, req-to-token pool) into the
 core's arguments: write this forward's new K/V, then run :func:`mossvl_ascend.attention.core.attention` with the
-forward's metadata (built once, by the prepare_forward_batch hook or the first layer).
+forward's metadata (built once, by the prepare_forward_batch hook or the first layer), or, for a decode step a
+graph runner captures, :func:`mossvl_ascend.attention.decode_step.decode_attention` on the step's static inputs.
 """
 
 from __future__ import annotations
@@ -10,8 +11,12 @@ from __future__ import annotations
 import torch
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.forward_context import get_attn_backend
+from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
 
+from mossvl_ascend import side_channel
 from mossvl_ascend.attention.core import AttentionLayer, attention
+from mossvl_ascend.attention.decode_step import DecodeView, decode_attention
 from mossvl_ascend.attention.kv_layout import addressing_of_pool
 from mossvl_ascend.attention.metadata import metadata_of_forward_batch
 
@@ -26,6 +31,17 @@ def layer_constants(layer) -> AttentionLayer:
         causal=not (layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY),
         logit_cap=layer.logit_cap,
     )
+
+
+def captured_decode_view(forward_batch) -> DecodeView | None:
+    """The static inputs of a decode step that a graph runner captures or replays (stock's capture mode, which its
+    CPU runner also keeps on at replay), else None: an eager forward reads its own metadata."""
+    if not (forward_batch.forward_mode.is_decode() and get_is_capture_mode()):
+        return None
+    view = side_channel.DECODE_VIEW.get(get_attn_backend())
+    if view is None:
+        raise RuntimeError("a captured MOSS-VL decode step without its static inputs (DecodeBuffers never filled)")
+    return view
 
 
 def encoder_decoder_attention(
@@ -54,15 +70,34 @@ def encoder_decoder_attention(
         token_to_kv_pool.set_kv_buffer(layer, write_loc, k, v)
     k_cache = token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, layer.tp_k_head_num, layer.qk_head_dim)
     v_cache = token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, layer.tp_v_head_num, layer.v_head_dim)
-    output = attention(
-        q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim),
-        k_cache,
-        v_cache,
-        req_to_token_pool.req_to_token,
-        forward_batch.req_pool_indices,
-        metadata_of_forward_batch(forward_batch),
-        layer_constants(layer),
-        page_size=token_to_kv_pool.page_size,
-        addressing=addressing_of_pool(token_to_kv_pool),
-    )
+    query = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    constants, addressing = layer_constants(layer), addressing_of_pool(token_to_kv_pool)
+    view = captured_decode_view(forward_batch)
+    if view is not None:
+        output = decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            view.table,
+            constants.is_cross_attention,
+            constants.scale,
+            constants.logit_cap,
+            addressing.bands,
+            addressing.band_stride,
+        )
+    else:
+        output = attention(
+            query,
+            k_cache,
+            v_cache,
+            req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            metadata_of_forward_batch(forward_batch),
+            constants,
+            page_size=token_to_kv_pool.page_size,
+            addressing=addressing,
+        )
     return output.view(-1, layer.tp_q_head_num * layer.v_head_dim)

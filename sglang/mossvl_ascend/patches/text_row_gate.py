@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.attention.metadata import visible_frames_of_rows
+from mossvl_ascend.attention.metadata import decode_row_gate, visible_frames_of_rows
+from mossvl_ascend.attention.sglang_layer import captured_decode_view
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 
 
@@ -22,12 +23,10 @@ def _request_counts(forward_batch, i):
 def text_row_gate(model, forward_batch) -> torch.Tensor:
     """Bool ``[rows, 1]``: True where a row's cross-attention residual is kept (it sees at least one frame)."""
     if forward_batch.forward_mode.is_decode():
-        gate = forward_batch.encoder_lens != 0
-        for i in range(forward_batch.batch_size):
-            counts = _request_counts(forward_batch, i)
-            if forward_batch.encoder_lens_cpu[i] and counts is not None:
-                gate[i] = bool(counts[-1] > 0)
-        return gate.reshape(-1, 1)
+        view = captured_decode_view(forward_batch)
+        if view is not None:
+            return view.row_gate
+        return torch.tensor(decode_row_gate(forward_batch), device=forward_batch.seq_lens.device).reshape(-1, 1)
     parts = []
     for i in range(forward_batch.batch_size):
         q_len = forward_batch.extend_seq_lens_cpu[i]

@@ -1,0 +1,131 @@
+"""CPU decode graphs (``--enable-torch-compile``) for MOSS-VL: the CPU attention backend's graph state, and each
+replayed step's static decode inputs filled from the real batch.
+
+Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.plugins.hook_registry import HookType
+
+from mossvl_ascend import side_channel
+from mossvl_ascend.attention.decode_step import DecodeBuffers, DecodeRows
+from mossvl_ascend.attention.kv_layout import addressing_of_pool
+from mossvl_ascend.patch_record import CPU, Patch
+
+logger = logging.getLogger(__name__)
+
+TORCH_NATIVE_CLASS = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+CPU_GRAPH_RUNNER = "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner"
+NO_ROWS = DecodeRows([], [], [], [], [])
+
+
+class GraphReadyTorchNativeBackend(TorchNativeAttnBackend):
+    """Stock ``torch_native`` plus the three methods stock's ``CPUGraphRunner`` calls on its attention backend.
+
+    The graph state is the MOSS-VL decode step's static inputs (:class:`DecodeBuffers`); a captured step reads
+    them through the view set here at capture and by :func:`fill_decode_inputs` at every replay.
+    """
+
+    def get_cpu_graph_seq_len_fill_value(self) -> int:
+        # A padding row decodes one text token of pool row 0 (stock keeps that row's slots at 0).
+        return 1
+
+    def init_cpu_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        side_channel.DECODE_BUFFERS.set(self, DecodeBuffers(max_bs, self.device))
+
+    def init_forward_metadata_capture_cpu_graph(self, bs: int, num_tokens: int, *args, **kwargs) -> None:
+        # The captured batch is all padding: compiled code reads the buffers as tensors, never these values.
+        self.swa_out_cache_loc = None
+        side_channel.DECODE_VIEW.set(self, side_channel.DECODE_BUFFERS.get(self).fill(NO_ROWS, bs))
+
+
+def fill_decode_inputs(original, runner, forward_batch, *args, **kwargs):
+    """AROUND hook on ``CPUGraphRunner.prepare_replay``: the real batch's decode rows (read on the host, before
+    stock copies the batch into a padded bucket that no longer carries its requests) go into the static buffers."""
+    backend = runner.model_runner.attn_backend
+    buffers = side_channel.DECODE_BUFFERS.get(backend)
+    if buffers is None or forward_batch.encoder_lens is None:
+        return original(runner, forward_batch, *args, **kwargs)
+    rows = DecodeRows.of_forward_batch(forward_batch, addressing_of_pool(runner.model_runner.token_to_kv_pool))
+    prepared = original(runner, forward_batch, *args, **kwargs)
+    side_channel.DECODE_VIEW.set(backend, buffers.fill(rows, prepared.batch_size))
+    return prepared
+
+
+def fake_only_what_exists(original, op_name: str):
+    """AROUND hook on ``cpu_graph_runner.register_cpu_compile_fake``: a kernel the installed ``sgl_kernel`` does not
+    define needs no compile-time fake (nothing can call it), so it gets none instead of failing the start-up."""
+    if hasattr(torch.ops.sgl_kernel, op_name):
+        return original(op_name)
+    logger.debug("sgl_kernel::%s is not defined here: no torch.compile fake registered", op_name)
+    return lambda fake: fake
+
+
+PATCHES = (
+    Patch(
+        title="CPU decode graphs: torch_native gets the CPU graph runner's methods",
+        target=TORCH_NATIVE_CLASS,
+        kind=HookType.REPLACE,
+        hook=GraphReadyTorchNativeBackend,
+        platforms=frozenset({CPU}),
+        why=(
+            "`--enable-torch-compile` on `--device cpu` runs stock's `CPUGraphRunner`, which calls "
+            "`init_cpu_graph_state`, `get_cpu_graph_seq_len_fill_value` and `init_forward_metadata_capture_cpu_graph` "
+            "on the attention backend; only `intel_amx` has them, so MOSS-VL (served on `torch_native`) failed at "
+            "start-up with an AttributeError traceback."
+        ),
+        how=(
+            "the class is replaced by a subclass with the three methods: the graph state is the MOSS-VL decode "
+            "step's static inputs (`attention.decode_step.DecodeBuffers`: per row vision tokens, encoder slots, "
+            "frame-window start, slot-major flag, row gate), a padding row decodes one token of pool row 0; a "
+            "captured decode step's attention is the `mossvl::decode_attention` op over those buffers and the "
+            "text-row gate reads them (`patches.text_row_gate`). Everything else is stock's class."
+        ),
+        upstream="not upstream in 0.5.23 (stock's CPU graphs serve encoder-decoder models on intel_amx only)",
+        remove_when="stock's torch_native backend implements the CPU graph runner's interface",
+    ),
+    Patch(
+        title="CPU decode graphs: each replay's static decode inputs from the real batch",
+        target=f"{CPU_GRAPH_RUNNER}.prepare_replay",
+        kind=HookType.AROUND,
+        hook=fill_decode_inputs,
+        platforms=frozenset({CPU}),
+        why=(
+            "a compiled decode step must not read per-request Python values (each would be frozen into the graph "
+            "or force a recompile), and when stock pads a batch to a captured size it replays the capture-time "
+            "ForwardBatch, which carries no request's multimodal inputs (encoder rows, frame windows, visible-frame "
+            "counts)."
+        ),
+        how=(
+            "before stock prepares the replay, the real batch's decode rows are read on the host "
+            "(`DecodeRows.of_forward_batch`) and written, with zeros for the bucket's padding rows, into the static "
+            "buffers by one host-to-device copy; the view of the bucket's columns is what the compiled step reads."
+        ),
+        upstream="not upstream in 0.5.23",
+        remove_when="stock's CPU graph runner carries encoder-decoder metadata for non-AMX backends",
+    ),
+    Patch(
+        title="CPU decode graphs: compile-time fakes only for the sgl_kernel ops that exist",
+        target="sglang.srt.model_executor.cpu_graph_runner.register_cpu_compile_fake",
+        kind=HookType.AROUND,
+        hook=fake_only_what_exists,
+        platforms=frozenset({CPU}),
+        why=(
+            "stock's CPU graph runner registers a `torch.compile` fake for about forty `sgl_kernel` CPU ops at "
+            "start-up; without a CPU sgl-kernel build (PyPI has none; this project's CPU runs use the import-only "
+            "stand-in in `cpu_shim/`) the first registration raises `operator sgl_kernel::shm_allreduce does not "
+            "exist` and the server dies."
+        ),
+        how=(
+            "an op that `torch.ops.sgl_kernel` does not define gets no fake (a no-op decorator; the MOSS-VL path on "
+            "`torch_native` calls none of them); an op that exists gets stock's registration unchanged."
+        ),
+        upstream="not upstream in 0.5.23",
+        remove_when="stock registers the fakes only for the ops its sgl_kernel build defines",
+    ),
+)
