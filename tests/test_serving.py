@@ -149,7 +149,7 @@ BAD_REQUESTS = {
         {"messages": with_image(data_url(b"plain text, no pixels", "image/png"))},
         "decode",
     ),
-    "missing_image_path": ({"messages": with_image("file:///nonexistent/dir/cat.png")}, "No such file"),
+    "missing_image_path": ({"messages": with_image("file:///nonexistent/dir/cat.png")}, "not allowed or not found"),
     "unreachable_image_url": ({"messages": with_image("http://127.0.0.1:9/cat.png")}, "127.0.0.1"),
     "unsupported_content_part": (
         {"messages": [{"role": "user", "content": [{"type": "hologram", "hologram": {"url": "x"}}]}]},

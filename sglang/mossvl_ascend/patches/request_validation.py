@@ -1,4 +1,5 @@
-"""Client mistakes in MOSS-VL chat requests get HTTP 400 with a message, never 500 or a silent empty answer.
+"""Client mistakes in MOSS-VL chat requests get HTTP 400 with a message, never 500 or a silent empty answer (media:
+``media_requests``).
 
 Catalog entries: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 """
@@ -9,17 +10,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 
-CLIENT_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, PermissionError)
 MOSS_VL_ARCH = "MossVLForConditionalGeneration"
-
-
-def client_path_errors_are_bad_requests(original, *args, **kwargs):
-    try:
-        return original(*args, **kwargs)
-    except RuntimeError as error:
-        if isinstance(error.__cause__, CLIENT_PATH_ERRORS):
-            raise ValueError(str(error)) from error.__cause__
-        raise
 
 
 def reject_non_positive_token_limits(error, serving_chat, request):
@@ -36,25 +27,6 @@ def reject_non_positive_token_limits(error, serving_chat, request):
 
 
 PATCHES = (
-    Patch(
-        title="Missing or unreadable media paths answer 400",
-        target="sglang.srt.multimodal.processors.moss_vl.MossVLImageProcessor._load_single_item",
-        kind=HookType.AROUND,
-        hook=client_path_errors_are_bad_requests,
-        platforms=ON_NPU_AND_CPU,
-        why=(
-            "sglang answers 400 for media-loading errors only in `CLIENT_MEDIA_EXCEPTIONS`; a missing, unreadable "
-            "or directory path raises `OSError`, which sglang wraps in `RuntimeError` and answers with 500 "
-            "'Internal server error', as if the server were broken."
-        ),
-        how=(
-            "a `RuntimeError` caused by `FileNotFoundError`, `IsADirectoryError` or `PermissionError` is re-raised "
-            "as `ValueError` with the same message (it names the path); the stock error path then answers 400. The "
-            "classmethod is inherited from `BaseMultimodalProcessor`, so only MOSS-VL's processor is affected."
-        ),
-        upstream="sglang 0.5.23 behaviour",
-        remove_when="`CLIENT_MEDIA_EXCEPTIONS` covers client-side file errors",
-    ),
     Patch(
         title="max_tokens <= 0 answers 400",
         target="sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._validate_request",

@@ -62,7 +62,13 @@ CALL_SETTINGS = {
     "fps": "video_fps",
     "min_frames": "min_frames",
     "max_frames": "max_frames",
+    "max_source_frames": "max_source_frames",
 }
+# What one video of a call may set for itself (keys of a ``{"video_path": ...}`` input): the real processor's
+# sampling keywords (``video_fps``, ``min_frames``, ``max_frames``) and ``calculate_num_frames``' ``num_frames``.
+PER_VIDEO_SAMPLING = ("num_frames", "video_fps", "min_frames", "max_frames")
+# A video with more frames is refused undecoded (ours: 2 hours at 30 fps; the real processor has no such bound).
+DEFAULT_MAX_SOURCE_FRAMES = 2 * 3600 * 30
 
 # Every constructor setting (what a per-call copy carries over).
 SETTINGS = (
@@ -78,6 +84,7 @@ SETTINGS = (
     "video_fps",
     "min_frames",
     "max_frames",
+    "max_source_frames",
     "max_input_pixels",
 )
 
@@ -90,7 +97,11 @@ class MossVLImageProcessor(BaseImageProcessor):
     ``size``) bounds one video frame; ``video_max_pixels`` the frames*height*width budget all videos of one call
     share (None: no shared budget); ``video_fps``, ``min_frames``, ``max_frames``; ``min_pixels`` / ``max_pixels``
     override ``size`` as in Qwen2-VL's image processors. ``max_input_pixels`` is ours:
-    a decoded image or frame larger than that is refused, not resized (a server should not hold it)."""
+    a decoded image or frame larger than that is refused, not resized (a server should not hold it); so is
+    ``max_source_frames``: a video file with more frames is refused before decoding.
+
+    A video given as ``{"video_path": ..., "num_frames" | "video_fps", "min_frames", "max_frames"}`` samples with
+    those values instead of the call's (``PER_VIDEO_SAMPLING``); its ``max_frames`` is its own, not a share."""
 
     model_input_names = ["pixel_values", "grid_thw"]
 
@@ -108,6 +119,7 @@ class MossVLImageProcessor(BaseImageProcessor):
         video_fps: float = 1.0,
         min_frames: int = 1,
         max_frames: int = 256,
+        max_source_frames: int = DEFAULT_MAX_SOURCE_FRAMES,
         max_input_pixels: int = 8192 * 8192,
         min_pixels: Optional[int] = None,
         max_pixels: Optional[int] = None,
@@ -126,6 +138,7 @@ class MossVLImageProcessor(BaseImageProcessor):
         self.video_size = dict(video_size or DEFAULT_VIDEO_SIZE)
         self.video_max_pixels = video_max_pixels
         self.video_fps, self.min_frames, self.max_frames = video_fps, min_frames, max_frames
+        self.max_source_frames = max_source_frames
         self.max_input_pixels = max_input_pixels
         Patchifier(patch_size, temporal_patch_size, merge_size, image_mean, image_std)  # refuses what MOSS-VL cannot
 
@@ -208,22 +221,40 @@ class MossVLImageProcessor(BaseImageProcessor):
         shares = share_max_frames([clip.duration for clip in clips], self.max_frames)
         sampled = []
         for video, clip, stamps, share in zip(videos, clips, given_stamps, shares):
+            own = self.own_sampling(video)
+            fps, min_frames = own.get("video_fps", self.video_fps), own.get("min_frames", self.min_frames)
+            share = own.get("max_frames", share)
             if is_frame_list(video):
                 # pre-sampled: every frame kept up to max_frames (integer linspace), stamps as given or i / fps
                 sampled.append(sample_clip(clip, min(len(clip.times), share), stamps))
             elif isinstance(video, dict) and "segments" in video:
-                sampled += sample_segments(clip, video["segments"], self.video_fps, self.min_frames, share)
+                sampled += sample_segments(clip, video["segments"], fps, min_frames, share)
             else:
                 # a whole clip is also capped by how many minimum-size frames the total budget holds
                 if self.video_max_pixels is not None and self.video_size["shortest_edge"] > 0:
                     share = min(share, self.video_max_pixels // self.video_size["shortest_edge"])
-                sampled.append(sample_clip(clip, frame_count(clip, self.video_fps, self.min_frames, share)))
+                count = frame_count(clip, fps, min_frames, share, own.get("num_frames"))
+                sampled.append(sample_clip(clip, count))
         return sampled
+
+    def own_sampling(self, video: Any) -> dict:
+        """A video's own sampling values (``PER_VIDEO_SAMPLING``), refused where the real rule cannot meet them."""
+        own = {key: video[key] for key in PER_VIDEO_SAMPLING if isinstance(video, dict) and video.get(key) is not None}
+        if "num_frames" in own and "segments" in video:
+            raise ValueError("num_frames does not apply to a video given as segments (each samples at its fps)")
+        if "num_frames" in own and "video_fps" in own:
+            raise ValueError("num_frames and fps are mutually exclusive (the processor's calculate_num_frames)")
+        max_frames = own.get("max_frames", self.max_frames)
+        if own.get("num_frames", 0) > max_frames:
+            raise ValueError(f"num_frames={own['num_frames']} is more than max_frames={max_frames}")
+        if own.get("min_frames", 0) > max_frames:
+            raise ValueError(f"min_frames={own['min_frames']} is more than max_frames={max_frames}")
+        return own
 
     def clip_of(self, video: Any) -> tuple[DecodedClip, Optional[list[float]]]:
         if is_frame_list(video):
             return frame_list_clip(video, self.video_fps, lambda frame: image_tensor(load_image(frame)))
-        return decode_clip(video_path_of(video)), None
+        return decode_clip(video_path_of(video), self.max_source_frames, self.max_input_pixels), None
 
     def videos(self, sampled: Sequence[SampledVideo]) -> list[tuple[torch.Tensor, list[int]]]:
         """(patches, [frames, gh, gw]) per sampled video, the call's video budget shared by volume."""

@@ -12,6 +12,11 @@ Facts followed (the published checkpoint's ``video_processing_moss_vl.py`` and `
     is ``ceil((end - start) * video_fps)`` timestamps ``linspace(start, end, endpoint=False)`` (min/max frames
     weighted by the segment's share of the segments' duration), stamped with those times;
   * sizes: one ``(height, width)`` per video from a 3-D rule over ``frames * height * width`` (below).
+
+Unlike the real processor (torchcodec seeks to the frames it keeps), PyAV decodes a file twice: once for the frames'
+times, once keeping only the sampled frames, so memory holds the sampled frames, never the whole video. A file with
+more frames than ``max_source_frames``, or frames larger than ``max_frame_pixels``, is refused before its frames are
+kept (a server must not spend hours decoding one request).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,12 +36,20 @@ DEFAULT_VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 
 
 @dataclass
 class DecodedClip:
-    """Every frame of a video stream: (N, 3, H, W) uint8, presentation times (s), and torchcodec-style metadata."""
+    """A video stream's frames: presentation times (s), torchcodec-style metadata, and ``load`` giving the frames at
+    sorted distinct indices as (n, 3, H, W) uint8."""
 
-    frames: torch.Tensor
     times: list[float]
     begin: float
     end: float
+    load: Callable[[list[int]], torch.Tensor]
+
+    def frames_at(self, indices: Sequence[int]) -> torch.Tensor:
+        """The frames at ``indices`` (any order, repeats allowed), each decoded once."""
+        distinct = sorted(set(indices))
+        frames = self.load(distinct)
+        position = {index: row for row, index in enumerate(distinct)}
+        return frames[[position[index] for index in indices]]
 
     @property
     def duration(self) -> float:
@@ -73,7 +86,8 @@ def frame_list_clip(video: Any, fps: float, load_frame) -> tuple[DecodedClip, Op
     if len({tuple(p.shape) for p in pictures}) > 1:
         raise ValueError("the frames of one video must have one size")
     times = [i / fps for i in range(len(frames))]
-    clip = DecodedClip(torch.stack(pictures), times, 0.0, len(frames) / fps)
+    stacked = torch.stack(pictures)
+    clip = DecodedClip(times, 0.0, len(frames) / fps, lambda indices: stacked[indices])
     return clip, None if given is None else [float(t) for t in given]
 
 
@@ -85,35 +99,79 @@ def video_path_of(video: Any) -> str:
     return path[len("file://") :] if path.startswith("file://") else path
 
 
-def decode_clip(path: str) -> DecodedClip:
-    """All frames of the first video stream of a file, RGB."""
+def decode_clip(path: str, max_source_frames: int, max_frame_pixels: int) -> DecodedClip:
+    """The first video stream of a file, RGB: every frame's time now, the frames themselves when sampled."""
     import av
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"video file not found: {path}")
-    frames, times, ends = [], [], []
+    times, ends = [], []
     try:
         with av.open(path) as container:
             if not container.streams.video:
                 raise ValueError(f"no video stream in {path}")
             stream = container.streams.video[0]
+            check_source_size(
+                stream.frames,
+                stream.codec_context.width,
+                stream.codec_context.height,
+                max_source_frames,
+                max_frame_pixels,
+            )
             rate = float(stream.average_rate or 0) or 24.0
             for frame in container.decode(stream):
                 start = float(frame.time) if frame.time is not None else len(times) / rate
                 length = float(frame.duration * frame.time_base) if frame.duration and frame.time_base else 1 / rate
-                frames.append(torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1))
                 times.append(start)
                 ends.append(start + length)
+                check_source_size(len(times), frame.width, frame.height, max_source_frames, max_frame_pixels)
     except (av.error.FFmpegError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot decode video {path}: {error}") from error
-    if not frames:
+    if not times:
         raise ValueError(f"video {path} has no frames")
-    return DecodedClip(torch.stack(frames), times, min(times), max(ends))
+    return DecodedClip(times, min(times), max(ends), lambda indices: decode_frames(path, indices))
 
 
-def frame_count(clip: DecodedClip, fps: float, min_frames: int, max_frames: int) -> int:
-    """How many frames the real processor keeps of a whole clip (``calculate_num_frames``); none is an error."""
-    target = int(math.ceil(clip.duration * fps - 1e-6))
+def check_source_size(frames: int, width: int, height: int, max_source_frames: int, max_frame_pixels: int) -> None:
+    """A video this server will not decode: more frames than ``max_source_frames`` or larger frames than
+    ``max_frame_pixels`` (the container's declared counts first, then what decoding finds)."""
+    if frames > max_source_frames:
+        raise ValueError(
+            f"video has {frames} or more frames, over this server's max_source_frames={max_source_frames} "
+            "(the frames it will decode for one video)"
+        )
+    if width * height > max_frame_pixels:
+        raise ValueError(
+            f"video frames of {width}x{height} = {width * height} pixels are larger than this model's limit "
+            f"max_input_pixels={max_frame_pixels} (processor config)"
+        )
+
+
+def decode_frames(path: str, indices: list[int]) -> torch.Tensor:
+    """The frames at sorted distinct ``indices`` of the file's first video stream, decoding stopped after the last."""
+    import av
+
+    wanted, kept = set(indices), []
+    try:
+        with av.open(path) as container:
+            for index, frame in enumerate(container.decode(container.streams.video[0])):
+                if index in wanted:
+                    kept.append(torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1))
+                if len(kept) == len(wanted):
+                    break
+    except (av.error.FFmpegError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot decode video {path}: {error}") from error
+    if len(kept) != len(wanted):
+        raise ValueError(f"video {path} changed while it was read: {len(kept)} of {len(wanted)} frames decoded")
+    return torch.stack(kept)
+
+
+def frame_count(
+    clip: DecodedClip, fps: float, min_frames: int, max_frames: int, num_frames: Optional[int] = None
+) -> int:
+    """How many frames the real processor keeps of a whole clip (``calculate_num_frames``: ``ceil(duration * fps)``,
+    or its fixed-count branch's ``num_frames``, then clamped the same way); none is an error."""
+    target = num_frames if num_frames is not None else int(math.ceil(clip.duration * fps - 1e-6))
     count = min(max(target, min_frames), max_frames, len(clip.times))
     if count <= 0:
         raise ValueError(
@@ -129,7 +187,7 @@ def sample_clip(clip: DecodedClip, count: int, stamps: Optional[Sequence[float]]
     total = len(clip.times)
     indices = np.unique(np.clip(np.linspace(0, total - 1, count).astype(np.int32), 0, total - 1)).tolist()
     seconds = [stamps[i] if stamps is not None else i / clip.average_fps for i in indices]
-    return SampledVideo(clip.frames[indices], seconds)
+    return SampledVideo(clip.frames_at(indices), seconds)
 
 
 def clamp_to_content(timestamps: Sequence[float], clip: DecodedClip) -> list[float]:
@@ -142,7 +200,7 @@ def clamp_to_content(timestamps: Sequence[float], clip: DecodedClip) -> list[flo
 def frames_played_at(clip: DecodedClip, timestamps: Sequence[float]) -> torch.Tensor:
     """The frame on screen at each time: the last one whose presentation time is not after it."""
     indices = [max(0, int(np.searchsorted(clip.times, t, side="right")) - 1) for t in timestamps]
-    return clip.frames[indices]
+    return clip.frames_at(indices)
 
 
 def sample_segments(
