@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, list[list[str]]]] = [
         "attention",
         [
             ["mossvl_ascend.attention", "mossvl_ascend.attention.sglang_layer"],
+            ["mossvl_ascend.attention.decode_graph"],
             ["mossvl_ascend.attention.decode_step"],
             ["mossvl_ascend.attention.core"],
             ["mossvl_ascend.attention.metadata"],

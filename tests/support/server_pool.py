@@ -37,7 +37,8 @@ FLUSH_TIMEOUT_S = 60.0
 
 
 def normalised_args(args: list[str], device: str = "cpu") -> tuple[tuple[str, str | None], ...]:
-    """sglang command-line arguments as sorted ``(flag, value)`` pairs (``None`` for a switch), with what
+    """sglang command-line arguments as sorted ``(flag, value)`` pairs (``None`` for a switch, the values joined by
+    spaces for a flag that takes several, such as ``--cuda-graph-bs-decode 4 8``), with what
     ``serving.launch`` adds when absent (``--max-total-tokens``, ``--sleep-on-idle`` on CPU); a flag given twice
     keeps its last value, as argparse does."""
     options: dict[str, str | None] = {}
@@ -49,9 +50,11 @@ def normalised_args(args: list[str], device: str = "cpu") -> tuple[tuple[str, st
         flag = "--" + flag[2:].replace("_", "-")
         flag = ALIASES.get(flag, flag)
         if not equals:
-            following = args[index + 1] if index + 1 < len(args) else None
-            value = following if following is not None and not following.startswith("--") else None
-            index += value is not None
+            values = []
+            while index + 1 < len(args) and not args[index + 1].startswith("--"):
+                values.append(args[index + 1])
+                index += 1
+            value = " ".join(values) if values else None
         options[flag] = value
         index += 1
     options.setdefault("--max-total-tokens", str(launch.DEFAULT_MAX_TOTAL_TOKENS))
