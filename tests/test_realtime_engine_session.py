@@ -130,28 +130,42 @@ def test_a_frame_travels_in_its_step_request_as_stock_preprocessed_image_data(pr
     assert torch.equal(entry["pixel_values"], pixels) and entry["grid_thw"].tolist() == [list(grid)]
 
 
-def test_the_scheduler_hook_finishes_a_running_step_after_its_next_token():
+def test_the_scheduler_hook_ends_a_step_where_the_interrupt_finds_it():
+    """Running, just prefilled, queued (not yet extended): each ends at its next processed result, the token of the
+    forward under way (a queued one: its extend's). An interrupt that overtook its step (the session is known here)
+    waits for it; one for a session this scheduler does not hold is dropped. Any other abort is stock's."""
     from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 
-    rid = step_rid("s1", 3)
-    running = SimpleNamespace(rid=rid, output_ids=[5, 6], finished=lambda: False, to_finish=None)
-    other = SimpleNamespace(rid=step_rid("s2", 1), output_ids=[5], finished=lambda: False, to_finish=None)
-    # A step whose first token just came back is in the last (prefill) batch, not yet merged into the running one.
-    prefilled = SimpleNamespace(rid=step_rid("s3", 1), output_ids=[7], finished=lambda: False, to_finish=None)
+    from mossvl_ascend.realtime import sessions as realtime_sessions
+
+    def step(session, n, outputs):
+        return SimpleNamespace(rid=step_rid(session, n), output_ids=outputs, finished=lambda: False, to_finish=None)
+
+    running, other, prefilled, queued = step("s1", 3, [5, 6]), step("s2", 1, [5]), step("s3", 1, [7]), step("s5", 2, [])
     running_batch, last_batch = SimpleNamespace(reqs=[running, other]), SimpleNamespace(reqs=[prefilled])
     # Stock's Scheduler.collect_inflight_reqs (pp_size 1): the requests of the running and the last batch (a set).
-    scheduler = SimpleNamespace(collect_inflight_reqs=lambda: [*running_batch.reqs, *last_batch.reqs])
-    stock = []
-    interrupt_step(lambda s, r: stock.append(r), scheduler, AbortReq(rid=rid, abort_message=INTERRUPT_MESSAGE))
-    assert isinstance(running.to_finish, FINISH_LENGTH) and running.to_finish.length == 3
-    assert other.to_finish is None and not stock
-    interrupt_step(
-        lambda s, r: stock.append(r), scheduler, AbortReq(rid=prefilled.rid, abort_message=INTERRUPT_MESSAGE)
+    scheduler = SimpleNamespace(
+        waiting_queue=[queued],
+        chunked_req=None,
+        collect_inflight_reqs=lambda: [*running_batch.reqs, *last_batch.reqs],
     )
-    assert isinstance(prefilled.to_finish, FINISH_LENGTH) and prefilled.to_finish.length == 2
-    plain = AbortReq(rid=rid)
-    interrupt_step(lambda s, r: stock.append(r), scheduler, plain)
+    owned = realtime_sessions.RealtimeSessions()
+    owned.streams["s4"] = realtime_sessions.Stream("s4")
+    stock = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("mossvl_ascend.patches.realtime_sessions.SCHEDULER_SESSIONS", owned)
+        for req in (running, prefilled, queued):
+            interrupt_step(
+                lambda s, r: stock.append(r), scheduler, AbortReq(rid=req.rid, abort_message=INTERRUPT_MESSAGE)
+            )
+            assert isinstance(req.to_finish, FINISH_LENGTH) and req.to_finish.length == len(req.output_ids) + 1
+        assert other.to_finish is None and not stock
+        for rid in (step_rid("s4", 2), step_rid("elsewhere", 2)):
+            interrupt_step(lambda s, r: stock.append(r), scheduler, AbortReq(rid=rid, abort_message=INTERRUPT_MESSAGE))
+        assert owned.early_interrupts == {"s4": step_rid("s4", 2)} and not stock
+        plain = AbortReq(rid=running.rid)
+        interrupt_step(lambda s, r: stock.append(r), scheduler, plain)
     assert stock == [plain], "an ordinary abort is stock's"
 
 

@@ -11,8 +11,10 @@ is driven without the WebSocket layer (tested on its own in `test_realtime_proto
 import asyncio
 import statistics
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoProcessor
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
@@ -69,7 +71,7 @@ async def served_session(engine, script=SCRIPT, **config):
 def run_engine(checkpoint, drive, **server_args):
     import sglang
 
-    args = {"max_total_tokens": 4096, "page_size": 1, **server_args}
+    args = {"max_total_tokens": 4096, "page_size": 1, "disable_overlap_schedule": True, **server_args}
     with sglang_restored_after_an_in_process_engine():
         engine = sglang.Engine(
             model_path=str(checkpoint),
@@ -77,7 +79,6 @@ def run_engine(checkpoint, drive, **server_args):
             enable_multimodal=True,
             dtype="float32",
             device="cpu",
-            disable_overlap_schedule=True,
             sleep_on_idle=True,
             **args,
         )
@@ -189,12 +190,18 @@ def test_a_pool_smaller_than_a_context_refuses_a_session(realtime_checkpoint):
     assert not sessions
 
 
+def large_noise_image(seed: int) -> Image.Image:
+    """A frame whose vision tower and extend take long enough for an interrupt to land inside them (1024 patches)."""
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (448, 448, 3), dtype=np.uint8))
+
+
 async def barge_in_session(engine):
     """Turns run to their allowance (benchmark mode: `<|silence|>` does not end them), so input lands mid-turn: a
-    prompt pushed as soon as a frame's step has produced its first token interrupts it (barge-in); a frame pushed
-    mid-turn later continues the turn."""
+    prompt pushed as soon as a frame's step is sent, before it produced any token (its extend under way),
+    interrupts it (barge-in); a frame pushed mid-turn later continues the turn."""
     from mossvl_ascend.realtime.engine import ServedRealtimeEngine
     from mossvl_ascend.realtime.session_api import Frame, SessionConfig
+    from mossvl_ascend.realtime.wire import step_rid
 
     session = await ServedRealtimeEngine(lambda: engine.tokenizer_manager).open(
         SessionConfig(max_new_tokens=TURN_LIMIT, ignore_eos=True)
@@ -212,30 +219,39 @@ async def barge_in_session(engine):
                 return
 
     await until("turn_done")
-    session.push_frame(Frame(noise_image(1), 0.0))
-    await until("text", lambda: session.push_prompt("What moved?"))
+    session.push_frame(Frame(large_noise_image(1), 0.0))
+    while session.running_rid != step_rid(session.session_id, 1):
+        await asyncio.sleep(0.0005)
+    tokens_before_the_prompt = len(session.generated)
+    session.push_prompt("What moved?")
     await until("interrupted")
     await until("turn_done")
     session.push_frame(Frame(noise_image(2), 1.0))
     await until("text", lambda: session.push_frame(Frame(noise_image(3), 1.5)))
     await until("turn_done")
     await session.close()
-    return session, kinds
+    return session, kinds, tokens_before_the_prompt
 
 
 def test_a_prompt_barges_into_a_served_turn(realtime_checkpoint):
-    """On the engine, a prompt arriving mid-turn ends the running step at its next token and opens a new turn over
-    the kept KV. Oracle: the session's steps replayed through the reference stream, every token the reference's
-    greedy pick given the same step boundaries (`support.realtime.replay_mismatches`)."""
-    session, kinds = run_engine(realtime_checkpoint, barge_in_session)
+    """On the engine (overlap scheduling on, as served), a prompt arriving while a frame's step runs its extend
+    stops that step before its next token: it keeps the extend's token only, nothing decoded after the interrupt is
+    sent or kept; the prompt opens a new turn over the kept KV. Oracle: the session's steps replayed through the
+    reference stream, every token the reference's greedy pick given the same step boundaries
+    (`support.realtime.replay_mismatches`)."""
+    session, kinds, tokens_before_the_prompt = run_engine(
+        realtime_checkpoint, barge_in_session, disable_overlap_schedule=False
+    )
     assert "interrupted" in kinds
     allowances = [count for _, _, count in session.segments]
     # initial turn, the frame's step cut short by the prompt, the prompt's turn, two frame steps of one turn
     assert len(session.segments) == 5, session.segments
-    assert allowances[1] < TURN_LIMIT and allowances[2] == TURN_LIMIT
+    assert tokens_before_the_prompt == allowances[0], "the prompt came before the frame's step gave a token"
+    assert allowances[1] == 1, "the step interrupted in its extend keeps its extend's token, no later one"
+    assert allowances[2] == TURN_LIMIT
     assert allowances[3] + allowances[4] == TURN_LIMIT
     model, processor = load_reference(realtime_checkpoint)
-    images = {0.0: noise_image(1), 1.0: noise_image(2), 1.5: noise_image(3)}
+    images = {0.0: large_noise_image(1), 1.0: noise_image(2), 1.5: noise_image(3)}
     assert replay_mismatches(model, processor, session.segments, session.generated, images) == []
     # The oracle can fail: one token changed in the prompt's turn is caught.
     start = sum(allowances[:2])

@@ -14,7 +14,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 from mossvl_ascend.realtime.engine import step_processor_output
-from mossvl_ascend.realtime.sessions import SCHEDULER_SESSIONS, interrupt_running_step
+from mossvl_ascend.realtime.sessions import SCHEDULER_SESSIONS
 from mossvl_ascend.realtime.wire import INTERRUPT_MESSAGE, parse_step_rid
 
 
@@ -71,11 +71,11 @@ def count_kept_rows_as_allocatable(original: Callable, scheduler, *args: Any, nu
 
 
 def interrupt_step(original: Callable, scheduler, recv_req, *args: Any, **kwargs: Any):
-    """AROUND ``Scheduler.abort_request``: an abort carrying the interrupt marker ends a running realtime step at its
-    next token as a normal finish (its KV stays with the session); any other abort is stock's."""
+    """AROUND ``Scheduler.abort_request``: an abort carrying the interrupt marker ends a realtime step now as a
+    normal finish (its KV stays with the session); any other abort is stock's."""
     if getattr(recv_req, "abort_message", None) != INTERRUPT_MESSAGE or parse_step_rid(recv_req.rid) is None:
         return original(scheduler, recv_req, *args, **kwargs)
-    interrupt_running_step(scheduler, recv_req.rid)
+    SCHEDULER_SESSIONS.interrupt(scheduler, recv_req.rid)
     return None
 
 
@@ -163,19 +163,20 @@ PATCHES = (
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
     ),
     Patch(
-        title="MOSS-VL-Realtime: an interrupt ends a running step at its next token, keeping its KV",
+        title="MOSS-VL-Realtime: an interrupt ends a step when it arrives, keeping its KV",
         target="sglang.srt.managers.scheduler.Scheduler.abort_request",
         kind=HookType.AROUND,
         hook=interrupt_step,
         platforms=ON_NPU_AND_CPU,
         why=(
-            "input that arrives while a turn runs is drained after the next token (a prompt barges in); an abort "
-            "would free the session's KV, which cannot be rebuilt without the pixels"
+            "input that arrives while a turn runs is drained after the token under way (a prompt barges in at "
+            "once); an abort would free the session's KV, which cannot be rebuilt without the pixels"
         ),
         how=(
-            "an AbortReq for a realtime step rid whose `abort_message` is the interrupt marker sets the running "
-            "request's `to_finish` to a length finish: it ends after its next token like any finished step. Other "
-            "aborts (and a step still waiting) go to stock"
+            "an AbortReq for a realtime step rid whose `abort_message` is the interrupt marker sets the step's "
+            "`to_finish` to a length finish (queued, chunked or in flight; one that the interrupt overtook, when it "
+            "arrives): the forward under way gives its last token, a later one's result is dropped as stock drops a "
+            "finished request's under overlap scheduling. Other aborts go to stock"
         ),
         upstream="not in sglang",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",

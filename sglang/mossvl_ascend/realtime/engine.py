@@ -226,6 +226,7 @@ class ServedSession:
         # Every step: its rows, its frames' timestamps, the tokens it generated (enough to replay the stream).
         self.segments: list[tuple[list[int], list[float], int]] = []
         self.running_rid: Optional[str] = None
+        self.interrupt_sent = False  # the running step was asked to end
         # Every step of a session runs on the data-parallel rank that holds its KV.
         dp_size = getattr(manager.server_args, "dp_size", 1) or 1
         self.dp_rank = int(self.session_id, 16) % dp_size if dp_size > 1 else None
@@ -244,14 +245,30 @@ class ServedSession:
             raise RealtimeError("invalid_request", "empty prompt")
         self._check_prompt_fits(prompt)
         self.prompts.append((prompt, seq_no))
-        self.wake.set()
+        self._input_arrived()
 
     def push_frame(self, frame: Frame, prompt: Optional[str] = None) -> None:
         if prompt:
             self._check_prompt_fits(prompt)
             self.prompts.append((prompt, frame.seq_no))
         self.frames.append(frame)
+        self._input_arrived()
+
+    def _input_arrived(self) -> None:
+        """Input wakes a parked session and interrupts a running step now, not at the step's next output."""
         self.wake.set()
+        self._interrupt_running_step()
+
+    def _interrupt_running_step(self) -> None:
+        """Ask the scheduler to end the running step (once per step): the token under way is its last."""
+        from sglang.srt.managers.io_struct import AbortReq
+
+        if self.running_rid is None or self.interrupt_sent:
+            return
+        self.interrupt_sent = True
+        self.engine.tokenizer_manager._dispatch_to_scheduler(
+            AbortReq(rid=self.running_rid, abort_message=INTERRUPT_MESSAGE)
+        )
 
     def _check_prompt_fits(self, prompt: str) -> None:
         """A prompt no session could hold is refused as a bad input (the session goes on); one that only overfills
@@ -385,8 +402,8 @@ class ServedSession:
         self, rows: list[int], frames: list[Frame], inputs: list["DrainedInput"], ready: bool, allowance: int
     ) -> tuple[int, int, bool]:
         """One engine step: the rows (and frames) as an extend, then up to ``allowance`` tokens; input arriving
-        meanwhile interrupts it at the next token. -> (the last token, tokens generated, interrupted)."""
-        from sglang.srt.managers.io_struct import AbortReq, GenerateReqInput
+        meanwhile interrupts it (:meth:`_input_arrived`). -> (the last token, tokens generated, interrupted)."""
+        from sglang.srt.managers.io_struct import GenerateReqInput
 
         rid = step_rid(self.session_id, next(self.steps))
         input_ids = self.generated[-1:] + rows  # the token generated last goes through the model with the rows
@@ -402,8 +419,10 @@ class ServedSession:
             return_logprob=self.config.return_logprob,
             data_parallel_rank=self.dp_rank,
         )
-        seen, interrupted = 0, False
-        self.running_rid = rid
+        seen = 0
+        self.running_rid, self.interrupt_sent = rid, False
+        if self.pending_inputs:  # arrived after this step's inputs were drained
+            self._interrupt_running_step()
         manager = self.engine.tokenizer_manager
         try:
             async for chunk in manager.generate_request(request, None):
@@ -425,9 +444,6 @@ class ServedSession:
                     message = finish.get("message") or "the engine aborted the session"
                     code = "context_exhausted" if CONTEXT_EXHAUSTED in message else "session_aborted"
                     raise RealtimeError(code, message)
-                if finish is None and self.pending_inputs and not interrupted:
-                    manager._dispatch_to_scheduler(AbortReq(rid=rid, abort_message=INTERRUPT_MESSAGE))
-                    interrupted = True
         finally:
             self.running_rid = None
         if not seen:
@@ -435,7 +451,7 @@ class ServedSession:
         self.segments.append((rows, [frame.timestamp for frame in frames], seen))
         last = self.generated[-1]
         # An interrupt that lost the race with the turn's own end (silence, the limit) changed nothing.
-        interrupted = interrupted and not self._ends_turn(last) and seen < allowance
+        interrupted = self.interrupt_sent and not self._ends_turn(last) and seen < allowance
         return last, seen, interrupted
 
     def _put_processed(self, inputs: list["DrainedInput"]) -> None:

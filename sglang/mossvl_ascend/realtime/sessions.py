@@ -116,6 +116,7 @@ class RealtimeSessions:
     def __init__(self) -> None:
         self.streams: dict[str, Stream] = {}
         self.evicted: dict[str, str] = {}
+        self.early_interrupts: dict[str, str] = {}  # session id -> the rid of a step interrupted before it arrived
 
     # -- which request is ours --
 
@@ -236,6 +237,8 @@ class RealtimeSessions:
         if vision_tokens > stream.vision_tokens:
             side_channel.STEP_NEW_VISION.set(mm, NewVision(first=stream.vision_tokens, text_from=len(stream.text_ids)))
         stream.step = RunningStep(req.rid, plan, encoder_rows, vision_tokens, new_vision_from=stream.vision_tokens)
+        if self.early_interrupts.pop(session_id, None) == req.rid:
+            _finish_at_the_next_result(req)
         req.customized_info = {
             USAGE_INFO_KEY: [
                 {
@@ -248,6 +251,29 @@ class RealtimeSessions:
                 }
             ]
         }
+
+    # -- barge-in --
+
+    def interrupt(self, scheduler, rid: str) -> None:
+        """End step ``rid`` now, as a normal finish (its KV stays with the session): the token of a forward already
+        under way when the interrupt arrives is its last (a step in its extend keeps the extend's token); a forward
+        the scheduler launches later for it is discarded (stock drops the result of a request finished under
+        overlap scheduling), so no token decoded after the interrupt is sent or kept. A step still queued ends after
+        its extend; one not here yet (the interrupt overtook it) is ended when it arrives."""
+        for req in self._queued_or_in_flight(scheduler):
+            if req.rid == rid and not req.finished():
+                _finish_at_the_next_result(req)
+                return
+        parsed = parse_step_rid(rid)
+        if parsed is not None and parsed[0] in self.streams:
+            self.early_interrupts[parsed[0]] = rid
+
+    @staticmethod
+    def _queued_or_in_flight(scheduler) -> list:
+        # In flight as stock's abort sees it: the running batch AND the last batch (a step whose first token just
+        # came back is in the last, prefill, batch until the next pass merges it); and the waiting queue.
+        chunked = [scheduler.chunked_req] if getattr(scheduler, "chunked_req", None) is not None else []
+        return [*scheduler.waiting_queue, *chunked, *scheduler.collect_inflight_reqs()]
 
     # -- stock's streaming-session seams --
 
@@ -353,6 +379,7 @@ class RealtimeSessions:
 
     def release(self, session_id: str, cache) -> None:
         """Free every slot and the row a session holds, and forget it."""
+        self.early_interrupts.pop(session_id, None)
         stream = self.streams.pop(session_id, None)
         if stream is None or not stream.keeps_kv:
             return
@@ -456,6 +483,15 @@ class RealtimeSessions:
         return max(num_held_rows, waiting)
 
 
+def _finish_at_the_next_result(req) -> None:
+    """Stock's abort mechanism (``to_finish``, taken at the request's next processed result) with a length finish:
+    the step ends as a finished one and its session keeps the KV."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    req.to_finish = FINISH_LENGTH(length=len(req.output_ids) + 1)
+    logger.info("realtime step %s interrupted after %d tokens", req.rid, len(req.output_ids))
+
+
 def _grow_encoder(cache, stream: Stream, step: RunningStep) -> None:
     """Rewrite the kept row ``[old encoder | new encoder | text]`` (new encoder slots in whole pages)."""
     kv = stream.slot.kv
@@ -503,19 +539,6 @@ def _drop_pages_before_window(cache, stream: Stream) -> None:
         stream.window_start,
         drop,
     )
-
-
-def interrupt_running_step(scheduler, rid: str) -> None:
-    """End the running step ``rid`` at its next token as a normal finish (its KV stays with the session)."""
-    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-
-    # In flight as stock's abort sees it: the running batch AND the last batch. A step whose first token just came
-    # back is still in the last (prefill) batch until the next pass merges it; looking in the running batch alone
-    # lost that interrupt, and the step decoded on to its silence or allowance (the prompt's time to first text).
-    for req in scheduler.collect_inflight_reqs():
-        if req.rid == rid and req.output_ids and not req.finished():
-            req.to_finish = FINISH_LENGTH(length=len(req.output_ids) + 1)
-            logger.info("realtime step %s interrupted after %d tokens", req.rid, len(req.output_ids))
 
 
 # The sessions of this scheduler process. One per process, not per cache as stock's StreamingSession is: two of the
