@@ -12,7 +12,7 @@ DEVICE ?= cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint test test-fast catalog demo demo-realtime serve tiny-model bench bench-serving bench-realtime bench-realtime-engine serve-fleet bench-fleet clean
+.PHONY: help setup lint test test-fast catalog demo demo-realtime serve eval tiny-model bench bench-serving bench-realtime bench-realtime-engine serve-fleet bench-fleet clean
 
 help: ## list the targets with what each does
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -59,8 +59,14 @@ demo-realtime: setup ## serve the tiny MOSS-VL-Realtime, stream a video through 
 MODEL ?= $(shell $(CPU_ENV) $(PY) -m moss_vl_reference.tiny_checkpoint 2>/dev/null | tail -n 1)
 # serving.launch adds the CPU engine settings and --sleep-on-idle on DEVICE=cpu (and a core split per rank for
 # --tp-size/--dp-size > 1), then execs python -m sglang.launch_server ... --host 127.0.0.1 --trust-remote-code --enable-multimodal.
-serve: setup ## foreground server on 127.0.0.1:$(PORT); override MODEL=, DEVICE=, PORT=, ARGS= (e.g. ARGS="--tp-size 2")
-	$(PY) -m serving.launch --model-path $(MODEL) --device $(DEVICE) --port $(PORT) $(ARGS)
+# The local directories a request may name media in (file:// or a path; the server reads no other local file):
+# MOSSVL_ALLOWED_LOCAL_MEDIA_PATH when set, else the repository's example media.
+MEDIA_DIRS ?= $(or $(MOSSVL_ALLOWED_LOCAL_MEDIA_PATH),$(CURDIR)/inference/examples/media:$(CURDIR)/assets)
+serve: setup ## foreground server on 127.0.0.1:$(PORT); override MODEL=, DEVICE=, PORT=, ARGS= (e.g. ARGS="--tp-size 2"), MEDIA_DIRS=
+	MOSSVL_ALLOWED_LOCAL_MEDIA_PATH=$(MEDIA_DIRS) $(PY) -m serving.launch --model-path $(MODEL) --device $(DEVICE) --port $(PORT) $(ARGS)
+
+eval: setup ## VideoMME-shaped set through the OpenAI API as lmms-eval sends it (own server), vs the transformers runner; ARGS= adds options
+	$(CPU_ENV) $(PY) -m serving.evaluate $(ARGS)
 
 bench: setup ## attention benchmarks: cross-attention (dense mask vs boundaries vs floor, per dtype), then batched core vs per-request loop
 	$(CPU_ENV) $(PY) benchmarks/bench_cross_attention.py

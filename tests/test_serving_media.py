@@ -15,15 +15,18 @@ directory (``MOSSVL_ALLOWED_LOCAL_MEDIA_PATH``); everything else local answers t
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from fractions import Fraction
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
 from PIL import Image
 
 from moss_vl_reference.queries_moss_vl import file_data_url
+from serving import eval_set, evaluate
 from support.serving import ASSETS, GREEDY, MAX_TOKENS, TOKEN_IDS, kv_load, load_reference, reference_ids, wait_for_load
 from support.videos import decoded_frames, write_video
 
@@ -249,3 +252,68 @@ def test_local_media_outside_the_allowed_directory_is_refused_as_if_missing(serv
     as_data_url = chat(server, model_name, [image_part(file_data_url(allowed / "square.png")), QUESTION_PART])
     assert inside.json()["choices"][0]["response_token_ids"] == as_data_url.json()["choices"][0]["response_token_ids"]
     assert kv_load(server)["num_used_tokens"] == 0
+
+
+# ---- make eval's evaluator against this server
+
+
+class StoppingProxy(ThreadingHTTPServer):
+    """A loopback stand-in for a server that stops mid-run: it forwards requests to ``target`` and, once it has
+    answered ``chats`` chat completions, closes its port (the later requests are refused, as by a stopped server)."""
+
+    def __init__(self, target: str, chats: int):
+        self.target, self.chats_left = target, chats
+        super().__init__(("127.0.0.1", 0), ForwardingHandler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def shutdown_and_close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class ForwardingHandler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.forward(requests.get(f"{self.server.target}{self.path}", timeout=60))
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        headers = {"Content-Type": self.headers["Content-Type"]}
+        self.forward(requests.post(f"{self.server.target}{self.path}", data=body, headers=headers, timeout=300))
+        self.server.chats_left -= 1
+        if self.server.chats_left == 0:
+            threading.Thread(target=self.server.shutdown_and_close, daemon=True).start()
+
+    def forward(self, response: requests.Response) -> None:
+        self.send_response(response.status_code)
+        self.send_header("Content-Type", response.headers.get("Content-Type", "application/json"))
+        self.send_header("Content-Length", str(len(response.content)))
+        self.end_headers()
+        self.wfile.write(response.content)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_evaluator_scores_every_sample_and_equals_the_transformers_runner(server, media, checkpoint, capsys):
+    allowed, _ = media
+    out = allowed / "eval"
+    assert evaluate.main(["--base-url", server.base_url, "--model-path", str(checkpoint), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| all | 6 |" in printed
+    assert "served answers equal to the transformers runner's: 6 of 6" in printed
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [line["question_id"] for line in lines] == [row["question_id"] for row in eval_set.questions()]
+    assert all(line["error"] is None and line["response"] == line["runner_response"] for line in lines)
+
+
+def test_the_evaluator_exits_non_zero_and_counts_the_samples_a_stopped_server_failed(server, media, capsys):
+    allowed, _ = media
+    proxy = StoppingProxy(server.base_url, chats=2)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    out = allowed / "eval-stopped"
+    status = evaluate.main(["--base-url", proxy.url, "--no-runner", "--out", str(out), "--timeout", "30"])
+    printed = capsys.readouterr().out
+    assert status == 1
+    assert "4 of 6 samples failed" in printed
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [line["error"] is None for line in lines] == [True, True, False, False, False, False]
