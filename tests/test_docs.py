@@ -40,6 +40,7 @@ SCRIPTS = {  # owner name -> its own argparse source (repo-relative)
     "realtime_inference/run_online_inference.py": "realtime_inference/run_online_inference.py",
     "realtime_inference/replay_proactive_videoqa.py": "realtime_inference/replay_proactive_videoqa.py",
     "moss_vl_reference/tiny_checkpoint.py": "moss_vl_reference/tiny_checkpoint.py",
+    "serving/evaluate.py": "serving/evaluate.py",
     **{f"benchmarks/{p.name}": f"benchmarks/{p.name}" for p in sorted((REPO_ROOT / "benchmarks").glob("*.py"))},
 }
 # The runners' shared flags live in one module; a script that calls its adder accepts them too.
@@ -53,6 +54,7 @@ PROGRAM_PATTERNS = (
     (r"make bench-serving", "benchmarks/bench_serving.py"),
     (r"make bench-realtime-engine", "benchmarks/bench_realtime.py"),
     (r"make bench-fleet", "benchmarks/bench_fleet.py"),
+    (r"make eval|-m serving\.evaluate", "serving/evaluate.py"),
     (r"sglang\.launch_server|serving\.launch|make serve", SGLANG),
     (r"sglang\.bench_serving", "sglang.bench_serving"),
     (r"\bsmg\b", "smg"),
