@@ -116,8 +116,24 @@ def test_npu_source_pr_command_and_short_form_resolve_to_ascend(model_dir, npu_m
     assert full.mm_attention_backend == "ascend_attn"
     for view in (full, short):
         assert view.disable_radix_cache is False
-        assert view.cuda_graph_config.decode.backend == "disabled"
+        assert view.cuda_graph_config.decode.backend != "disabled"
         assert view.page_size == 128
+
+
+def test_npu_decode_graphs_are_on_with_stocks_buckets_and_off_on_request(
+    model_dir, text_model_dir, npu_memory_stand_in
+):
+    """Oracle: stock's own NPU resolution for a model the plugin does not touch (decode graphs, buckets)."""
+    plain = resolve(text_model_dir, "--device", "npu")
+    view = resolve(model_dir, "--device", "npu")
+    assert view.cuda_graph_config.decode.backend == plain.cuda_graph_config.decode.backend != "disabled"
+    assert view.cuda_graph_config.decode.bs == plain.cuda_graph_config.decode.bs
+    assert resolve(model_dir, "--device", "npu", "--disable-cuda-graph").cuda_graph_config.decode.backend == "disabled"
+
+
+def test_npu_refuses_torch_compile_with_one_line(model_dir, npu_memory_stand_in):
+    with pytest.raises(ValueError, match="--enable-torch-compile"):
+        resolve(model_dir, "--device", "npu", "--enable-torch-compile")
 
 
 def test_npu_keeps_explicit_user_backends(model_dir, npu_memory_stand_in):
@@ -217,7 +233,7 @@ def test_npu_source_pr_command_on_eight_cards(model_dir, npu_memory_stand_in, ra
     assert backends(view) == ("ascend", "ascend", "ascend", "ascend")
     assert view.mm_attention_backend == "ascend_attn"
     assert view.disable_radix_cache is False
-    assert view.cuda_graph_config.decode.backend == "disabled"
+    assert view.cuda_graph_config.decode.backend != "disabled"
     assert view.page_size == 128
 
 

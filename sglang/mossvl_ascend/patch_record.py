@@ -34,6 +34,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "compact_visibility",
     "native_attention",
     "ascend_backend",
+    "npu_graph",
     "vision_rotary",
     "ascend_sampler",
     "cpu_attention",

@@ -55,6 +55,11 @@ ATTENTION_METADATA: Attached[Any] = Attached("mossvl_attention_metadata", "Forwa
 # allocated once per graph state) and the view of them the current captured or replayed step reads.
 DECODE_BUFFERS: Attached[Any] = Attached("mossvl_decode_buffers", "attention backend")
 DECODE_VIEW: Attached[Any] = Attached("mossvl_decode_view", "attention backend")
+# ... and, on the NPU, the step's block tables and masks, built inside the recording
+# (``attention.decode_graph.StepTables``).
+DECODE_TABLES: Attached[Any] = Attached("mossvl_decode_tables", "attention backend")
+# stock's NPU graph backend: the per-record KV lengths of the replay about to run (``NPUGraph.update``'s input).
+GRAPH_UPDATE: Attached[Any] = Attached("mossvl_graph_update", "NPU graph backend")
 
 # A KV pool shaped by the MOSS-VL layout: how it addresses vision tokens (``attention.kv_layout.EncoderAddressing``)
 # and the bytes of its storage layers (what the layout spends, for the start-up log and the tests).

@@ -16,6 +16,7 @@ from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_m
 
 from mossvl_ascend import side_channel
 from mossvl_ascend.attention.core import AttentionLayer, attention
+from mossvl_ascend.attention.decode_graph import StepTables, graph_decode_attention
 from mossvl_ascend.attention.decode_step import DecodeView, decode_attention
 from mossvl_ascend.attention.kv_layout import addressing_of_pool
 from mossvl_ascend.attention.metadata import metadata_of_forward_batch
@@ -44,6 +45,14 @@ def captured_decode_view(forward_batch) -> DecodeView | None:
     return view
 
 
+def graph_step_tables(backend, forward_batch) -> StepTables | None:
+    """The tables of an NPU decode step the graph runner captures (built inside the recording by the backend's
+    in-graph metadata hook), else None."""
+    if not (getattr(backend, "graph_mode", False) and forward_batch.forward_mode.is_decode()):
+        return None
+    return side_channel.DECODE_TABLES.get(backend)
+
+
 def encoder_decoder_attention(
     token_to_kv_pool,
     req_to_token_pool,
@@ -55,12 +64,13 @@ def encoder_decoder_attention(
     save_kv_cache: bool,
     *,
     swa_out_cache_loc: torch.Tensor | None = None,
+    graph_tables: StepTables | None = None,
 ) -> torch.Tensor:
     """One attention layer of an encoder-decoder (MOSS-VL) batch: extend, decode or mixed.
 
     Writes the new K/V (encoder K/V for a cross-attention layer; nothing when k/v are None, i.e. the encoder is
-    already cached or the batch has no vision input), then the core. q ``[num_tokens, num_heads * head_dim]``;
-    returns ``[num_tokens, num_heads * v_head_dim]``.
+    already cached or the batch has no vision input), then the core (an NPU graph's decode step: its
+    ``graph_tables``). q ``[num_tokens, num_heads * head_dim]``; returns ``[num_tokens, num_heads * v_head_dim]``.
     """
     if save_kv_cache and k is not None and v is not None:
         if layer.is_cross_attention:
@@ -72,8 +82,19 @@ def encoder_decoder_attention(
     v_cache = token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, layer.tp_v_head_num, layer.v_head_dim)
     query = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
     constants, addressing = layer_constants(layer), addressing_of_pool(token_to_kv_pool)
-    view = captured_decode_view(forward_batch)
-    if view is not None:
+    view = None if graph_tables is not None else captured_decode_view(forward_batch)
+    if graph_tables is not None:
+        if constants.logit_cap:
+            raise NotImplementedError("an NPU decode graph of a layer with logit capping (the fused op has none)")
+        output = graph_decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            graph_tables.of(constants.is_cross_attention),
+            constants.scale,
+            token_to_kv_pool.page_size,
+        )
+    elif view is not None:
         output = decode_attention(
             query,
             k_cache,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.attention.sglang_layer import encoder_decoder_attention
+from mossvl_ascend.attention.sglang_layer import encoder_decoder_attention, graph_step_tables
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 
 ASCEND_BACKEND_MODULE = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
@@ -19,7 +19,8 @@ def _takes_encoder_decoder_route(backend, forward_batch) -> bool:
 
 def _encoder_decoder_forward(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
     """AROUND hook shared by forward_extend and forward_decode (the batch's mode picks the math)."""
-    if not _takes_encoder_decoder_route(backend, forward_batch):
+    tables = graph_step_tables(backend, forward_batch) if forward_batch.encoder_lens is not None else None
+    if tables is None and not _takes_encoder_decoder_route(backend, forward_batch):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     return encoder_decoder_attention(
         backend.token_to_kv_pool,
@@ -31,6 +32,7 @@ def _encoder_decoder_forward(original, backend, q, k, v, layer, forward_batch, s
         forward_batch,
         save_kv_cache,
         swa_out_cache_loc=backend.forward_metadata.swa_out_cache_loc,
+        graph_tables=tables,
     )
 
 
@@ -55,8 +57,9 @@ PATCHES = tuple(
             "(encoder slots for cross-attention layers, nothing when k/v are None), then the batched attention core "
             "with this forward's metadata (decode: every token sees all frames; a mixed batch (`--enable-mixed-chunk`) "
             "is an extend whose decode rows are one-row extends, instead of the fused `forward_mixed` that ignores "
-            "the encoder). Other batches, MLA models and graph replay go to the stock method (graph decode is off "
-            "for MOSS-VL)."
+            "the encoder). A decode step the NPU graph runner captures (`graph_mode`, with the step's tables from "
+            "`patches.npu_graph`) runs `attention.decode_graph`: one paged fused call per layer. Other batches and "
+            "MLA models go to the stock method."
         ),
         upstream="not upstream in 0.5.23",
         remove_when="`forward_extend` passes MOSS-VL's visibility and encoder batches cannot reach the FIA/FA branches",

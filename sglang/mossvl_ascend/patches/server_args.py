@@ -66,8 +66,7 @@ def _refuse_what_the_npu_kernels_reject(dtype: str, page_size: int) -> None:
 
 def npu_declarations(server_args: Any) -> Dict[str, Any]:
     """MOSS-VL field declarations for ``--device npu`` (reads raw user input and current view)."""
-    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
-    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+    from sglang.srt.arg_groups.overrides import resolving_view
 
     _refuse_fused_ascend_extend()
     cfg = resolving_view(server_args)
@@ -84,19 +83,28 @@ def npu_declarations(server_args: Any) -> Dict[str, Any]:
         # ``layers/attention/vision.py`` picks ``ascend_attn`` on NPU when unset).
         "sampling_backend": server_args.sampling_backend or "ascend",
     }
-    if cfg.cuda_graph_config.decode.backend != Backend.DISABLED:
-        logger.warning(
-            "MOSS-VL on NPU: decode graphs disabled: the Ascend graph decode path ignores the "
-            "encoder prefix and the cross-attention layers."
-        )
-        # The provider gate does not accept graph fields, so this one goes straight to the
-        # resolution stash, as stock handle_model_specific_adjustments does for its own rules.
-        declare_resolution(
-            server_args,
-            "mossvl_ascend.patches.server_args",
-            cuda_graph_config=with_phase(cfg.cuda_graph_config, Phase.DECODE, backend=Backend.DISABLED),
-        )
+    _log_decode_graphs(cfg)
     return declared
+
+
+def _log_decode_graphs(cfg: Any) -> None:
+    """Decode graphs keep stock's NPU setting (on, stock's buckets); one line says what was chosen and why."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    if cfg.enable_torch_compile:
+        raise ValueError(
+            "MOSS-VL on NPU cannot run with --enable-torch-compile: the NPU decode graph of its cross-attention "
+            "layers is captured by torch_npu's graph (on by default); drop the flag."
+        )
+    decode = cfg.cuda_graph_config.decode
+    if decode.backend == Backend.DISABLED:
+        logger.info("MOSS-VL on NPU: decode graphs off (--disable-cuda-graph or a decode graph setting).")
+    else:
+        logger.info(
+            "MOSS-VL on NPU: decode graphs on, cross-attention included (buckets %s; --disable-cuda-graph turns "
+            "them off).",
+            decode.bs,
+        )
 
 
 def cpu_declarations(server_args: Any) -> Dict[str, Any]:
@@ -174,8 +182,9 @@ PATCHES = (
             "resolves like the source PR's long command); the radix cache keeps stock's default (on; the source PR "
             "turned it off for ~20 % non-deterministic greedy outputs at page size 128, which `paged_decode` "
             "explains and fixes: served at page 128 with the radix cache on, 42 of 42 answers equal the reference "
-            "and logprobs the page-1 server's within 1e-5); decode graphs are forced off (the Ascend graph decode "
-            "path ignores the encoder); start-up "
+            "and logprobs the page-1 server's within 1e-5); decode graphs keep stock's NPU default (on: "
+            "`patches.npu_graph` captures the cross-attention layers too; `--disable-cuda-graph` turns them off, "
+            "`--enable-torch-compile` is refused); start-up "
             "is refused when `ASCEND_USE_FIA`/`ASCEND_USE_FA` are set (those extend paths ignore the encoder "
             "prefix), with `--dtype float32` (the fused attention op and the ATB KV write take fp16/bf16 only), and, "
             f"with `{PAGED_ATTENTION_ENV}=1`, with a page size that is not a multiple of 16 up to 512 (the paged "

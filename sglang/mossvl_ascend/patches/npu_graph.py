@@ -1,0 +1,228 @@
+"""NPU decode graphs for MOSS-VL: stock's NPU graph runner captures a decode step whose attention is
+``attention.decode_graph`` (static inputs filled outside the graph, tables built inside it, KV lengths per recorded
+call through ``NPUGraph.update``).
+
+Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+from sglang.srt.plugins.hook_registry import HookType
+
+from mossvl_ascend import side_channel
+from mossvl_ascend.attention.decode_graph import capture_kv_lengths, host_kv_lengths, per_record_update, step_tables
+from mossvl_ascend.attention.decode_step import DecodeBuffers, DecodeRows
+from mossvl_ascend.attention.kv_layout import addressing_of_pool
+from mossvl_ascend.patch_record import NPU, Patch
+
+logger = logging.getLogger(__name__)
+
+ASCEND_BACKEND = "sglang.srt.hardware_backend.npu.attention.ascend_backend.AscendAttnBackend"
+ASCEND_BACKEND_MODULE = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
+NPU_RUNNER = "sglang.srt.hardware_backend.npu.graph_runner.npu_graph_runner.NPUGraphRunner"
+NPU_GRAPH_BACKEND = "sglang.srt.hardware_backend.npu.graph_runner.npu_cudagraph_backend.NPUCudaGraphBackend"
+DECODE_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+NO_ROWS = DecodeRows([], [], [], [], [])
+# What stock's encoder test sees for a MOSS-VL batch: a host tensor, so the test reads nothing from the device.
+_EVERY_ROW_HAS_AN_ENCODER = torch.ones(1, dtype=torch.int64)
+
+
+def _encoder_decode(forward_batch) -> bool:
+    return forward_batch.encoder_lens is not None and forward_batch.forward_mode.is_decode()
+
+
+def allocate_decode_buffers(original, backend, max_bs: int, max_num_tokens: int, *args, **kwargs):
+    """AROUND ``AscendAttnBackend.init_cuda_graph_state``: stock's graph state, and the decode step's static inputs."""
+    result = original(backend, max_bs, max_num_tokens, *args, **kwargs)
+    side_channel.DECODE_BUFFERS.set(backend, DecodeBuffers(max_bs, backend.device))
+    return result
+
+
+def select_the_step_view(original, backend, forward_batch, in_capture: bool = False, *args, **kwargs):
+    """AROUND ``init_forward_metadata_out_graph`` (outside the recording): the view of the bucket's columns; at
+    capture the columns are padding rows (the recording reads them as tensors, never these values)."""
+    result = original(backend, forward_batch, in_capture, *args, **kwargs)
+    buffers = side_channel.DECODE_BUFFERS.get(backend)
+    if buffers is not None and _encoder_decode(forward_batch):
+        bs = forward_batch.batch_size
+        side_channel.DECODE_VIEW.set(backend, buffers.fill(NO_ROWS, bs) if in_capture else buffers.view(bs))
+    return result
+
+
+def build_tables_in_graph(original, backend, forward_batch, *args, **kwargs):
+    """AROUND ``init_forward_metadata_in_graph`` (inside the recording): the step's tables, from tensors only."""
+    result = original(backend, forward_batch, *args, **kwargs)
+    view = side_channel.DECODE_VIEW.get(backend)
+    if view is not None and _encoder_decode(forward_batch):
+        tables = step_tables(
+            view,
+            backend.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            backend.page_size,
+            addressing_of_pool(backend.token_to_kv_pool),
+            capture_kv_lengths(forward_batch.batch_size),
+        )
+        side_channel.DECODE_TABLES.set(backend, tables)
+    return result
+
+
+def cross_layers_in_order(model_config) -> list[bool]:
+    """Whether each decoder layer, in forward order, is a cross-attention layer: the order of the recorded
+    fused-attention calls (one per layer)."""
+    text = getattr(model_config.hf_config, "text_config", model_config.hf_config)
+    cross = set(text.cross_attention_layers)
+    return [layer in cross for layer in range(text.num_hidden_layers)]
+
+
+def fill_from_the_real_batch(original, runner, forward_batch, *args, **kwargs):
+    """AROUND ``NPUGraphRunner.execute``: before stock pads the batch into its buffers (which carry no request's
+    multimodal inputs), the real rows go into the static inputs with one copy, and the replay's per-record KV
+    lengths wait on the graph backend for ``replay_with_input_update``."""
+    backend = runner.model_runner.attn_backend
+    buffers = side_channel.DECODE_BUFFERS.get(backend)
+    if buffers is None or not _encoder_decode(forward_batch):
+        return original(runner, forward_batch, *args, **kwargs)
+    bs = runner.capture_bs[bisect.bisect_left(runner.capture_bs, forward_batch.batch_size)]
+    addressing = addressing_of_pool(backend.token_to_kv_pool)
+    rows = DecodeRows.of_forward_batch(forward_batch, addressing)
+    buffers.fill(rows, bs)
+    lengths = host_kv_lengths(rows, forward_batch.seq_lens_cpu.tolist(), bs, backend.page_size, addressing)
+    update = per_record_update(cross_layers_in_order(runner.model_runner.model_config), lengths)
+    side_channel.GRAPH_UPDATE.set(runner.backend, update)
+    try:
+        return original(runner, forward_batch, *args, **kwargs)
+    finally:
+        side_channel.GRAPH_UPDATE.set(runner.backend, None)
+
+
+def update_every_record(original, graph_backend, shape_key, *args, **kwargs):
+    """AROUND ``NPUCudaGraphBackend.replay_with_input_update``: a MOSS-VL replay passes one dict per recorded call
+    (self- and cross-attention layers see different KV lengths) instead of stock's one dict for all."""
+    update = side_channel.GRAPH_UPDATE.get(graph_backend)
+    if update is not None:
+        kwargs["cpu_update_input"] = update
+    return original(graph_backend, shape_key, *args, **kwargs)
+
+
+def text_rows_in_the_graph(original, runner, forward_batch, *args, **kwargs):
+    """AROUND ``DecodeCudaGraphRunner.can_run_graph``: a MOSS-VL batch with a text-only request still replays (its
+    row is gated in the graph), and the check reads no device value."""
+    if side_channel.DECODE_BUFFERS.get(runner.model_runner.attn_backend) is None or forward_batch.encoder_lens is None:
+        return original(runner, forward_batch, *args, **kwargs)
+    encoder_lens = forward_batch.encoder_lens
+    forward_batch.encoder_lens = _EVERY_ROW_HAS_AN_ENCODER
+    try:
+        return original(runner, forward_batch, *args, **kwargs)
+    finally:
+        forward_batch.encoder_lens = encoder_lens
+
+
+_WHY = (
+    "on Ascend, decode without graphs is host-bound (every layer's kernels launched from Python; graphs halved "
+    "Qwen3-VL's TPOT on 910B-class machines), and stock's Ascend graph decode ignores the encoder prefix and the "
+    "cross-attention layers, so MOSS-VL ran with decode graphs forced off."
+)
+_UPSTREAM = "not upstream in 0.5.23 (stock's Ascend graph decode is text-only; no engine graphs cross-attention decode)"
+_REMOVE_WHEN = "stock's NPU graph runner captures encoder-decoder decode with per-layer KV lengths"
+
+PATCHES = (
+    Patch(
+        title="NPU decode graphs: the decode step's static inputs in the graph state",
+        target=f"{ASCEND_BACKEND}.init_cuda_graph_state",
+        kind=HookType.AROUND,
+        hook=allocate_decode_buffers,
+        platforms=frozenset({NPU}),
+        requires_module=ASCEND_BACKEND_MODULE,
+        why=_WHY,
+        how=(
+            "after stock's graph state, `attention.decode_step.DecodeBuffers` for the largest bucket: per row vision "
+            "tokens, encoder slots, frame-window start, slot-major flag and row gate, int32, allocated once."
+        ),
+        upstream=_UPSTREAM,
+        remove_when=_REMOVE_WHEN,
+    ),
+    Patch(
+        title="NPU decode graphs: the bucket's view of the static inputs, outside the recording",
+        target=f"{ASCEND_BACKEND}.init_forward_metadata_out_graph",
+        kind=HookType.AROUND,
+        hook=select_the_step_view,
+        platforms=frozenset({NPU}),
+        requires_module=ASCEND_BACKEND_MODULE,
+        why=_WHY,
+        how=(
+            "for an encoder-decoder decode batch, the view of the bucket's columns becomes the step's "
+            "(`side_channel.DECODE_VIEW`); at capture they are written as padding rows first."
+        ),
+        upstream=_UPSTREAM,
+        remove_when=_REMOVE_WHEN,
+    ),
+    Patch(
+        title="NPU decode graphs: the step's block tables and masks, inside the recording",
+        target=f"{ASCEND_BACKEND}.init_forward_metadata_in_graph",
+        kind=HookType.AROUND,
+        hook=build_tables_in_graph,
+        platforms=frozenset({NPU}),
+        requires_module=ASCEND_BACKEND_MODULE,
+        why=_WHY,
+        how=(
+            "`attention.decode_graph.step_tables` derives both kinds' tables on the device from the view, "
+            "`req_pool_indices` and `req_to_token` (static widths, no host read); every layer of the step reads "
+            "them (`patches.ascend_backend` routes a captured decode to `attention.decode_graph`)."
+        ),
+        upstream=_UPSTREAM,
+        remove_when=_REMOVE_WHEN,
+    ),
+    Patch(
+        title="NPU decode graphs: each replay's rows from the real batch",
+        target=f"{NPU_RUNNER}.execute",
+        kind=HookType.AROUND,
+        hook=fill_from_the_real_batch,
+        platforms=frozenset({NPU}),
+        requires_module=ASCEND_BACKEND_MODULE,
+        why=_WHY + " The padded replay batch stock builds carries no request's multimodal inputs.",
+        how=(
+            "the real batch's rows (`DecodeRows.of_forward_batch`) go into the static inputs with one "
+            "host-to-device copy, zeros for the bucket's padding rows; the replay's KV lengths per recorded call "
+            "(`decode_graph.host_kv_lengths`, `per_record_update` in layer order) wait on the graph backend."
+        ),
+        upstream=_UPSTREAM,
+        remove_when=_REMOVE_WHEN,
+    ),
+    Patch(
+        title="NPU decode graphs: one update dict per recorded attention call",
+        target=f"{NPU_GRAPH_BACKEND}.replay_with_input_update",
+        kind=HookType.AROUND,
+        hook=update_every_record,
+        platforms=frozenset({NPU}),
+        requires_module=ASCEND_BACKEND_MODULE,
+        why=(
+            "stock passes one dict, which torch_npu's `NPUGraph.update` applies to every recorded fused-attention "
+            "call; MOSS-VL's self- and cross-attention layers read different KV lengths."
+        ),
+        how="a MOSS-VL replay's `cpu_update_input` is the list of one dict per recorded call, in capture order.",
+        upstream=_UPSTREAM,
+        remove_when=_REMOVE_WHEN,
+    ),
+    Patch(
+        title="NPU decode graphs: text-only rows replay in the graph",
+        target=f"{DECODE_RUNNER}.can_run_graph",
+        kind=HookType.AROUND,
+        hook=text_rows_in_the_graph,
+        platforms=frozenset({NPU}),
+        requires_module=ASCEND_BACKEND_MODULE,
+        why=(
+            "stock sends an encoder-decoder batch to eager decode when any request has no encoder "
+            "(`torch.all(encoder_lens > 0)`, a device read every step): one text-only request makes the batch eager."
+        ),
+        how=(
+            "for a batch of a backend with MOSS-VL decode buffers, stock's check sees a host tensor of ones; such a "
+            "row is gated off in the graph (`decode_graph.zero_rows_without_keys`, the row gate from the buffers)."
+        ),
+        upstream=_UPSTREAM,
+        remove_when=_REMOVE_WHEN,
+    ),
+)

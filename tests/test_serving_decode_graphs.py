@@ -1,0 +1,150 @@
+"""MOSS-VL decode graphs on CPU (``--enable-torch-compile``: stock's CPU graph runner, inductor) against eager decode.
+
+Three servers, fp32, tiny checkpoint, radix cache on, chunked prefill on:
+
+* ``eager``: page 128, chunked (the paged module's radix server, borrowed from the pool when it is still alive);
+* ``graph-p128``: the same with decode graphs, buckets {4, 8}: a batch of 4 or 8 replays its own graph, 1-3 and
+  5-7 replay a padded one (padding rows: no vision token, gate off, one text token of pool row 0);
+* ``graph-p1``: page 1, decode graphs, the same buckets.
+
+Oracles: the reference transformers model's greedy ids in fp32 (computed before any server starts), which the eager
+server also equals (``test_serving_paged.py``), and the eager server's prompt and output logprobs (inductor compiles
+the graph's non-attention ops, so within 1e-4, not bit-equal). Every graph server runs with dynamo's
+``error_on_recompile`` (set in its processes by ``support/served_guard_site``): a decode step that reads a Python
+value from its batch would recompile and fail its request. The servers log every decode step; the tests check from
+stock's own log lines that the graph ran, at the batch sizes asked for.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from support.serving import (
+    CASES,
+    chat_logprobs,
+    load_reference,
+    long_case,
+    openai_client,
+    reference_ids,
+    served_ids,
+    server_log,
+    short_case,
+)
+
+pytestmark = pytest.mark.timeout(2400)
+
+MAX_TOKENS = 12
+SINGLE = ["image_data_url", "two_images", "video", "text_only", "three_turns"]
+MIXED = {f"mixed_{name}": CASES[name] for name in SINGLE} | {
+    "mixed_long0": long_case(0),
+    "mixed_long1": long_case(1),
+    "mixed_short2": short_case(2),
+}
+ALL_CASES = {name: CASES[name] for name in SINGLE} | MIXED
+BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"]
+PAGE_128_CHUNKED = ["--page-size", "128", "--chunked-prefill-size", "256", "--enable-mixed-chunk"]
+PAGE_1_CHUNKED = ["--page-size", "1", "--chunked-prefill-size", "256"]
+GRAPHS = ["--enable-torch-compile", "--cuda-graph-bs-decode", "4", "8", "--decode-log-interval", "1"]
+GRAPH_ENV = {"MOSSVL_TEST_ERROR_ON_RECOMPILE": "1"}
+INDUCTOR_LOGPROB_TOLERANCE = 1e-4
+# Stock's decode log line (scheduler_components/metrics_reporter.py): the batch size and whether the graph ran.
+DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?cpu graph: (True|False)")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    model, processor = load_reference(checkpoint)
+    return {
+        name: reference_ids(model, processor, messages, max_tokens=MAX_TOKENS) for name, messages in ALL_CASES.items()
+    }
+
+
+def together(server, names: list[str]) -> dict:
+    """The named cases sent at once (they decode in one batch once all are prefilled)."""
+    client, model_name = openai_client(server)
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        futures = {
+            name: pool.submit(served_ids, client, model_name, ALL_CASES[name], max_tokens=MAX_TOKENS) for name in names
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+def one_by_one(server, names: list[str]) -> dict:
+    client, model_name = openai_client(server)
+    return {name: served_ids(client, model_name, ALL_CASES[name], max_tokens=MAX_TOKENS) for name in names}
+
+
+def logprobs(server, processor) -> dict:
+    return {name: chat_logprobs(server.base_url, processor, CASES[name], max_new_tokens=MAX_TOKENS) for name in SINGLE}
+
+
+def decode_steps(server) -> list[tuple[int, bool]]:
+    return [(int(n), graph == "True") for n, graph in DECODE_LINE.findall(server_log(server))]
+
+
+def graph_run(server, processor) -> dict:
+    """Alone, then 3, 5 and 8 at once (all padded but 8), then logprobs one by one."""
+    names = list(MIXED)
+    return {
+        "alone": one_by_one(server, SINGLE),
+        "three": together(server, names[:3]),
+        "five": together(server, names[3:8]),
+        "eight": together(server, names),
+        "logprobs": logprobs(server, processor),
+        "steps": decode_steps(server),
+    }
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint, processor, reference, server_pool):
+    results = {}
+    with server_pool.lease(checkpoint, BASE_ARGS + PAGE_128_CHUNKED, name="paged-radix") as server:
+        results["eager"] = {"logprobs": logprobs(server, processor)}
+    for name, paging in (("graph-p128", PAGE_128_CHUNKED), ("graph-p1", PAGE_1_CHUNKED)):
+        args = BASE_ARGS + paging + GRAPHS
+        with server_pool.lease(checkpoint, args, env=GRAPH_ENV, name=name, ready_timeout_s=900) as server:
+            results[name] = graph_run(server, processor)
+    return results
+
+
+GRAPH_SERVERS = ["graph-p128", "graph-p1"]
+
+
+def assert_equal_the_reference(answers: dict, reference: dict) -> None:
+    for name, answer in answers.items():
+        assert answer["prompt_ids"] == reference[name][0], name
+        assert answer["completion_ids"] == reference[name][1], name
+
+
+@pytest.mark.parametrize("server", GRAPH_SERVERS)
+def test_graph_decode_alone_equals_the_reference(served, reference, server):
+    assert_equal_the_reference(served[server]["alone"], reference)
+
+
+@pytest.mark.parametrize("server", GRAPH_SERVERS)
+@pytest.mark.parametrize("batch", ["three", "five", "eight"])
+def test_graph_decode_in_a_mixed_batch_equals_each_request_alone(served, reference, server, batch):
+    assert_equal_the_reference(served[server][batch], reference)
+
+
+@pytest.mark.parametrize("server", GRAPH_SERVERS)
+def test_the_graph_ran_at_padded_and_exact_batch_sizes(served, server):
+    steps = served[server]["steps"]
+    graph_sizes = {size for size, graph in steps if graph}
+    assert {1, 3, 5, 8} <= graph_sizes, steps
+    assert all(graph for size, graph in steps if size <= 8), steps
+
+
+@pytest.mark.parametrize("server", GRAPH_SERVERS)
+@pytest.mark.parametrize("case", SINGLE)
+def test_graph_logprobs_equal_eager(served, server, case):
+    graph, eager = served[server]["logprobs"][case], served["eager"]["logprobs"][case]
+    assert graph["ids"] == eager["ids"] and graph["output_ids"] == eager["output_ids"]
+    assert len(graph["output_logprobs"]) == MAX_TOKENS and len(graph["logprobs"]) > 5
+    pairs = list(zip(graph["logprobs"], eager["logprobs"])) + list(
+        zip(graph["output_logprobs"], eager["output_logprobs"])
+    )
+    assert max(abs(a - b) for a, b in pairs) <= INDUCTOR_LOGPROB_TOLERANCE
