@@ -12,7 +12,7 @@ DEVICE ?= cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint test test-fast catalog demo demo-realtime serve eval tiny-model bench bench-serving bench-realtime bench-realtime-engine serve-fleet bench-fleet clean
+.PHONY: help setup lint test test-fast catalog demo demo-realtime serve eval tiny-model bench bench-serving bench-realtime bench-realtime-engine bench-graphs serve-fleet bench-fleet clean
 
 help: ## list the targets with what each does
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -85,6 +85,9 @@ serve-fleet: setup ## WORKERS= CPU workers (one core share each) behind smg on 1
 
 bench-fleet: setup ## 1 vs 2 CPU workers behind smg: image chat req/s, realtime sessions at 1 fps, cache_aware vs round_robin cached tokens, ejection (~5 min)
 	$(CPU_ENV) $(PY) benchmarks/bench_fleet.py $(ARGS)
+
+bench-graphs: setup ## decode graphs vs eager on CPU (--enable-torch-compile): TPOT at batch 1, 8, 16, capture time, host ops per step (~10 min)
+	$(CPU_ENV) $(PY) benchmarks/bench_decode_graphs.py $(ARGS)
 
 bench-realtime-engine: setup ## realtime sessions served by sglang (1-8 sessions, 1 and 2 fps) beside the transformers session
 	$(CPU_ENV) $(PY) benchmarks/bench_realtime.py $(ARGS)
