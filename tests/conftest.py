@@ -77,7 +77,7 @@ LONGEST_FIRST = [
     "test_fleet.py",  # 138 s
     "test_serving_kv_layout.py",  # 130 s
     "test_serving.py",  # with test_serving_cache.py: 119 s
-    "test_serving_media.py",  # 111 s (one run, 2026-12-05, with its server start: 58 s)
+    "test_serving_media.py",  # 130 s (one run, 2026-12-05, with its server start: 69 s)
     "test_launch.py",  # 103 s
     "test_real_layout_checkpoint.py",  # 93 s
     "test_npu_route_served.py",  # 89 s

@@ -9,14 +9,14 @@ the published ``calculate_num_frames`` (``num_frames`` and ``fps`` mutually excl
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import pytest
 from sglang.srt.utils.common import configure_media_url_security
 
 from mossvl_ascend.media import access, sampling
+from serving.launch import free_port
+from support.loopback import stalling_port
 
 JPEG_BASE64 = "/9j/4AAQSkZJRgABAQAAAQABAAD/2wBDAAMCAgICAgMCAgIDAwMDBAYEBAQEBAgGBgUGCQgKCgkICQkKDA8MCgsOCwkJDRENDg8QEBEQ"
 
@@ -89,36 +89,10 @@ def test_several_directories_are_separated_like_path(allowed, monkeypatch):
     assert access.admit_local(access.classify(str(outside / "secret.mp4"))) == str((outside / "secret.mp4").resolve())
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def stalling_server():
-    """A loopback HTTP port that accepts connections and never answers."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    held, stop = [], threading.Event()
-
-    def accept():
-        listener.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(listener.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield listener.getsockname()[1]
-    stop.set()
-    thread.join()
-    for connection in held:
-        connection.close()
-    listener.close()
+    with stalling_port() as port:
+        yield port
 
 
 def url_refusal(url: str) -> str:

@@ -16,7 +16,6 @@ directory (``MOSSVL_ALLOWED_LOCAL_MEDIA_PATH``); everything else local answers t
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from fractions import Fraction
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,6 +26,8 @@ from PIL import Image
 
 from moss_vl_reference.queries_moss_vl import file_data_url
 from serving import eval_set, evaluate
+from serving.launch import free_port
+from support.loopback import stalling_port
 from support.serving import ASSETS, GREEDY, MAX_TOKENS, TOKEN_IDS, kv_load, load_reference, reference_ids, wait_for_load
 from support.videos import decoded_frames, write_video
 
@@ -165,36 +166,11 @@ def test_a_sampling_field_that_cannot_be_honoured_answers_400_naming_it(server, 
     assert named in response.json()["message"]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def stalling_url():
     """A loopback URL whose server accepts the connection and never answers."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    held, stop = [], threading.Event()
-
-    def accept():
-        listener.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(listener.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}/clip.mp4"
-    stop.set()
-    thread.join()
-    for connection in held:
-        connection.close()
-    listener.close()
+    with stalling_port() as port:
+        yield f"http://127.0.0.1:{port}/clip.mp4"
 
 
 BAD_VIDEOS = {
