@@ -13,7 +13,10 @@ against a CPU fp64 reference, and prints a pass/fail table with timings:
    prefixes, fresh prefills, decode self/cross, cross boundary masks, cross rows seeing one prefix, the
    frame-causal block plan, the all-blind group, the opt-in paged path at page 128 and 16), the cases of
    tests/test_npu_attention_core.py, at tiny and Instruct shapes, bf16 and fp16, against the fp64 reference with
-   that test's budget (1.5 x one dense SDPA's error in the same dtype + 1e-3).
+   that test's budget (1.5 x one dense SDPA's error in the same dtype + 1e-3);
+3. the decode graph (``attention.decode_graph``): captured with ``torch.npu.graph`` at buckets 1 and 16, replayed
+   after ``NPUGraph.update`` with one dict per recorded call, against eager decode of the same batch, with the
+   attention time of one decode step both ways (the cases of tests/test_decode_graphs.py).
 
 Run on the Ascend host, from the repository root (needs the test requirements, pytest included):
   python benchmarks/npu_acceptance.py
@@ -294,6 +297,61 @@ def core_case(runner, name, requests, cross, mode, page_size, shape_name, shape,
     return Outcome(name, dtype_name(dtype), shape_name, ms, error, budget, "PASS" if ok else "FAIL", "worst request")
 
 
+# ----------------------------------------------------------------------------- 3. decode graphs
+
+
+class DeviceGraph:
+    """``torch.npu.NPUGraph`` behind the graph STAND-IN's methods (capture a step, update, replay)."""
+
+    def capture(self, step, *, may_read):
+        self.graph = torch.npu.NPUGraph()
+        with torch.npu.graph(self.graph, auto_dispatch_capture=True):
+            self.output = step()
+        return self.output
+
+    def update(self, cpu_update_input):
+        self.graph.update(cpu_update_input=cpu_update_input)
+
+    def replay(self):
+        self.graph.replay()
+        return self.output
+
+
+def graph_cases(runner, dtype):
+    """The MOSS-VL decode graph (``attention.decode_graph``, 4 layers: self, cross, self, cross; MOSS-VL KV layout,
+    page 128) captured at buckets 1 and 16, replayed with mixed rows (images, text-only, a windowed realtime row,
+    text across pages; the bucket of 16 also with 13 rows: padding), against eager decode of the same batch: error
+    and the attention time of one decode step both ways (replay includes its per-record update)."""
+    from support import decode_graph_case as case
+    from support.fake_npu_graph import FakeNPUGraph, graph_mode
+
+    if runner.stand_in:
+        with graph_mode(runner.torch_npu):
+            return _graph_cases(runner, dtype, case, FakeNPUGraph)
+    return _graph_cases(runner, dtype, case, DeviceGraph)
+
+
+def _graph_cases(runner, dtype, case, new_graph):
+    outcomes = []
+    names = list(case.REQUESTS)
+    for bs, rows in ((1, 1), (16, 16), (16, 13)):
+        batch = [names[i % len(names)] for i in range(rows)]
+        pool = case.Pool(dtype, case.LAYOUTS["mossvl"], device=runner.device)
+        state = case.GraphState(pool, dtype, max_bs=bs, new_graph=new_graph)
+        queries = case.random_queries(batch, dtype, seed=bs + rows)
+        _, capture_ms = runner.timed(lambda: state.capture(bs))
+        replayed, replay_ms = runner.timed(lambda: state.replay(batch, queries, bs))
+        eager, eager_ms = runner.timed(lambda: case.eager_decode(pool, batch, queries))
+        error = max((g.float() - e.float()).abs().max().item() for g, e in zip(replayed, eager))
+        nan = any(bool(g.isnan().any()) for g in replayed)
+        budget = case.TOLERANCE[dtype]
+        status = "PASS" if error <= budget and not nan else "FAIL"
+        label = f"decode graph bucket {bs}, {rows} rows"
+        note = f"eager {eager_ms:.2f} ms, graph/eager {replay_ms / eager_ms:.2f}, capture {capture_ms:.0f} ms"
+        outcomes.append(Outcome(label, dtype_name(dtype), "tiny", replay_ms, error, budget, status, note))
+    return outcomes
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -303,6 +361,7 @@ def run_all(runner):
     outcomes = []
     for dtype in DTYPES.values():
         outcomes += op_cases(runner, dtype)
+        outcomes += graph_cases(runner, dtype)
         for case in core_cases():
             for shape_name, shape in NPU_SHAPES.items():
                 outcomes.append(core_case(runner, *case, shape_name, shape, dtype))

@@ -45,6 +45,8 @@ def test_every_case_passes_through_the_stand_in(acceptance, capsys):
         assert case in table
     for name, *_ in acceptance.core_cases():
         assert table.count(f"{name} ") >= 4  # bf16 and fp16, tiny and instruct
+    for case in ("decode graph bucket 1, 1 rows", "decode graph bucket 16, 16 rows", "decode graph bucket 16, 13 rows"):
+        assert table.count(case) == 2  # bf16 and fp16
 
 
 def test_the_judge_fails_a_wrong_result(acceptance):

@@ -31,7 +31,8 @@ from support.simulated_npu import npu_attention_on_cpu
 
 PAGE = 128
 HEADS, KV_HEADS, DIM = 4, 2, 32
-POOL_PAGES, ROW_PAGES = 24, 8
+# Enough pages for the stand-in op's rule (the pool holds at least the blocks all rows' lengths need) at 16 rows.
+POOL_PAGES, ROW_PAGES = 64, 8
 SLOTS = POOL_PAGES * PAGE
 BUCKETS = (1, 2, 4)
 CROSS_LAYERS = [False, True, False, True]  # the recorded calls' kinds, in capture order
@@ -71,14 +72,14 @@ def encoder_rows(request: Request, addressing: EncoderAddressing) -> int:
 class Pool:
     """A paged pool with four layers' K/V, a req_to_token table (row 0 reserved, zeros) and the requests' rows."""
 
-    def __init__(self, dtype, addressing: EncoderAddressing, seed: int = 0):
+    def __init__(self, dtype, addressing: EncoderAddressing, seed: int = 0, device="cpu"):
         generator = torch.Generator().manual_seed(seed)
-        self.addressing = addressing
+        self.addressing, self.device = addressing, torch.device(device)
         self.k, self.v = [], []
         for cross in CROSS_LAYERS:
             rows = SLOTS * (addressing.bands if cross else 1)
-            self.k.append(torch.randn(rows, KV_HEADS, DIM, generator=generator).to(dtype))
-            self.v.append(torch.randn(rows, KV_HEADS, DIM, generator=generator).to(dtype))
+            self.k.append(torch.randn(rows, KV_HEADS, DIM, generator=generator).to(self.device, dtype))
+            self.v.append(torch.randn(rows, KV_HEADS, DIM, generator=generator).to(self.device, dtype))
         self.req_to_token = torch.zeros(1 + len(REQUESTS), ROW_PAGES * PAGE, dtype=torch.int32)
         self.pool_row = {}
         free_pages = (torch.randperm(POOL_PAGES - 1, generator=generator) + 1).tolist()
@@ -88,6 +89,7 @@ class Pool:
             columns = torch.arange(length)
             self.req_to_token[row, :length] = torch.tensor(pages)[columns // PAGE] * PAGE + columns % PAGE
             self.pool_row[name] = row
+        self.req_to_token = self.req_to_token.to(self.device)
 
     def rows(self, names: list[str]) -> DecodeRows:
         requests = [REQUESTS[n] for n in names]
@@ -103,13 +105,13 @@ class Pool:
 def eager_decode(pool: Pool, names: list[str], queries: list[torch.Tensor]) -> list[torch.Tensor]:
     """The eager path of a decode forward for this batch: the attention core with the batch's metadata."""
     rows = pool.rows(names)
-    metadata = ForwardAttentionMetadata.for_decode([REQUESTS[n].seq_len for n in names], rows.vision, "cpu")
+    metadata = ForwardAttentionMetadata.for_decode([REQUESTS[n].seq_len for n in names], rows.vision, pool.device)
     metadata.with_encoder_rows(rows.encoder_rows, [bool(s) for s in rows.slot_major])
     metadata.with_lower_bounds([torch.tensor([lo], dtype=torch.int32) if lo else None for lo in rows.lower])
-    pool_rows = torch.tensor([pool.pool_row[n] for n in names])
+    pool_rows = torch.tensor([pool.pool_row[n] for n in names], device=pool.device)
     return [
         attention(
-            query,
+            query.to(pool.device),
             pool.k[i],
             pool.v[i],
             pool.req_to_token,
@@ -126,11 +128,13 @@ def eager_decode(pool: Pool, names: list[str], queries: list[torch.Tensor]) -> l
 class GraphState:
     """What stock's graph runner and the backend own: static inputs for the largest bucket, one graph per bucket."""
 
-    def __init__(self, pool: Pool, dtype, max_bs: int = max(BUCKETS)):
-        self.pool = pool
-        self.buffers = DecodeBuffers(max_bs, "cpu")
-        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64)
-        self.queries = [torch.zeros(max_bs, HEADS, DIM, dtype=dtype) for _ in CROSS_LAYERS]
+    def __init__(self, pool: Pool, dtype, max_bs: int = max(BUCKETS), new_graph=FakeNPUGraph):
+        """``new_graph``: makes one graph (the STAND-IN here; ``torch.npu.NPUGraph`` behind the same methods on a
+        device, ``benchmarks/npu_acceptance.py``)."""
+        self.pool, self.new_graph = pool, new_graph
+        self.buffers = DecodeBuffers(max_bs, pool.device)
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=pool.device)
+        self.queries = [torch.zeros(max_bs, HEADS, DIM, dtype=dtype, device=pool.device) for _ in CROSS_LAYERS]
         self.graphs: dict[int, FakeNPUGraph] = {}
 
     def step(self, bs: int, make_tables=step_tables):
@@ -164,7 +168,7 @@ class GraphState:
         step = step or self.step(bs)
         for _ in range(2):  # stock's two warm-ups before the recording
             step()
-        graph = FakeNPUGraph()
+        graph = self.new_graph()
         graph.capture(step, may_read=self.static_tensors())
         self.graphs[bs] = graph
 
