@@ -67,37 +67,33 @@ def test_each_row_sees_what_eager_sees_not_a_neighbours_rows(monkeypatch):
     assert not torch.allclose(first[1][0].float(), first[1][1].float(), atol=1e-2)
 
 
-def test_a_replay_without_the_update_keeps_the_capture_lengths_and_is_wrong(monkeypatch):
-    """The frozen capture-time KV lengths (one key per row) are what the recording would use without update."""
+def replay_with_an_update_rule(monkeypatch, names: list[str], seed: int, update):
+    """Replay ``names`` in a bucket of 2 with ``update`` deciding what NPUGraph.update gets; returns (graph, eager)."""
     dtype = torch.bfloat16
     pool = Pool(dtype, LAYOUTS["mossvl"])
-    names = ["image", "long_text"]
     with npu_graph_route(monkeypatch):
         state = GraphState(pool, dtype)
         state.capture(2)
-        queries = random_queries(names, dtype, 3)
-        stale = state.replay(names, queries, 2, update=lambda layers, lengths: [{}])
-        eager = eager_decode(pool, names, queries)
-    assert not torch.allclose(stale[0].float(), eager[0].float(), atol=TOLERANCE[dtype])
+        queries = random_queries(names, dtype, seed)
+        return state.replay(names, queries, 2, update=update), eager_decode(pool, names, queries)
+
+
+def test_a_replay_without_the_update_keeps_the_capture_lengths_and_is_wrong(monkeypatch):
+    """The frozen capture-time KV lengths (one key per row) are what the recording would use without update."""
+    stale, eager = replay_with_an_update_rule(monkeypatch, ["image", "long_text"], 3, lambda layers, lengths: [{}])
+    assert not torch.allclose(stale[0].float(), eager[0].float(), atol=TOLERANCE[torch.bfloat16])
 
 
 def test_one_broadcast_update_gives_cross_layers_the_self_lengths_and_is_wrong(monkeypatch):
     """Stock's update is one dict for every record; MOSS-VL's two kinds of layer need one dict per record."""
-    dtype = torch.bfloat16
-    pool = Pool(dtype, LAYOUTS["mossvl"])
-    names = ["image", "video"]
-    with npu_graph_route(monkeypatch):
-        state = GraphState(pool, dtype)
-        state.capture(2)
-        queries = random_queries(names, dtype, 5)
 
-        def broadcast(layers, lengths):
-            return [{"actual_seq_lengths_kv": lengths[0]}]
+    def broadcast(layers, lengths):
+        return [{"actual_seq_lengths_kv": lengths[0]}]
 
-        broadcast_out = state.replay(names, queries, 2, update=broadcast)
-        eager = eager_decode(pool, names, queries)
-    assert torch.allclose(broadcast_out[0].float(), eager[0].float(), atol=TOLERANCE[dtype])  # self layers fine
-    assert not torch.allclose(broadcast_out[1].float(), eager[1].float(), atol=TOLERANCE[dtype])
+    replayed, eager = replay_with_an_update_rule(monkeypatch, ["image", "video"], 5, broadcast)
+    tolerance = TOLERANCE[torch.bfloat16]
+    assert torch.allclose(replayed[0].float(), eager[0].float(), atol=tolerance)  # self layers fine
+    assert not torch.allclose(replayed[1].float(), eager[1].float(), atol=tolerance)
 
 
 # ---- mutations: each mistake of the reference file's list is caught by the stand-in or by the oracle ----

@@ -129,100 +129,73 @@ _WHY = (
 _UPSTREAM = "not upstream in 0.5.23 (stock's Ascend graph decode is text-only; no engine graphs cross-attention decode)"
 _REMOVE_WHEN = "stock's NPU graph runner captures encoder-decoder decode with per-layer KV lengths"
 
+
+def _graph_patch(title: str, target: str, hook, how: str, why: str = _WHY) -> Patch:
+    return Patch(
+        title=f"NPU decode graphs: {title}",
+        target=target,
+        kind=HookType.AROUND,
+        hook=hook,
+        platforms=frozenset({NPU}),
+        requires_module=ASCEND_BACKEND_MODULE,
+        why=why,
+        how=how,
+        upstream=_UPSTREAM,
+        remove_when=_REMOVE_WHEN,
+    )
+
+
 PATCHES = (
-    Patch(
-        title="NPU decode graphs: the decode step's static inputs in the graph state",
-        target=f"{ASCEND_BACKEND}.init_cuda_graph_state",
-        kind=HookType.AROUND,
-        hook=allocate_decode_buffers,
-        platforms=frozenset({NPU}),
-        requires_module=ASCEND_BACKEND_MODULE,
-        why=_WHY,
-        how=(
-            "after stock's graph state, `attention.decode_step.DecodeBuffers` for the largest bucket: per row vision "
-            "tokens, encoder slots, frame-window start, slot-major flag and row gate, int32, allocated once."
-        ),
-        upstream=_UPSTREAM,
-        remove_when=_REMOVE_WHEN,
+    _graph_patch(
+        "the decode step's static inputs in the graph state",
+        f"{ASCEND_BACKEND}.init_cuda_graph_state",
+        allocate_decode_buffers,
+        "after stock's graph state, `attention.decode_step.DecodeBuffers` for the largest bucket: per row vision "
+        "tokens, encoder slots, frame-window start, slot-major flag and row gate, int32, allocated once.",
     ),
-    Patch(
-        title="NPU decode graphs: the bucket's view of the static inputs, outside the recording",
-        target=f"{ASCEND_BACKEND}.init_forward_metadata_out_graph",
-        kind=HookType.AROUND,
-        hook=select_the_step_view,
-        platforms=frozenset({NPU}),
-        requires_module=ASCEND_BACKEND_MODULE,
-        why=_WHY,
-        how=(
-            "for an encoder-decoder decode batch, the view of the bucket's columns becomes the step's "
-            "(`side_channel.DECODE_VIEW`); at capture they are written as padding rows first."
-        ),
-        upstream=_UPSTREAM,
-        remove_when=_REMOVE_WHEN,
+    _graph_patch(
+        "the bucket's view of the static inputs, outside the recording",
+        f"{ASCEND_BACKEND}.init_forward_metadata_out_graph",
+        select_the_step_view,
+        "for an encoder-decoder decode batch, the view of the bucket's columns becomes the step's "
+        "(`side_channel.DECODE_VIEW`); at capture they are written as padding rows first.",
     ),
-    Patch(
-        title="NPU decode graphs: the step's block tables and masks, inside the recording",
-        target=f"{ASCEND_BACKEND}.init_forward_metadata_in_graph",
-        kind=HookType.AROUND,
-        hook=build_tables_in_graph,
-        platforms=frozenset({NPU}),
-        requires_module=ASCEND_BACKEND_MODULE,
-        why=_WHY,
-        how=(
-            "`attention.decode_graph.step_tables` derives both kinds' tables on the device from the view, "
-            "`req_pool_indices` and `req_to_token` (static widths, no host read); every layer of the step reads "
-            "them (`patches.ascend_backend` routes a captured decode to `attention.decode_graph`)."
-        ),
-        upstream=_UPSTREAM,
-        remove_when=_REMOVE_WHEN,
+    _graph_patch(
+        "the step's block tables and masks, inside the recording",
+        f"{ASCEND_BACKEND}.init_forward_metadata_in_graph",
+        build_tables_in_graph,
+        "`attention.decode_graph.step_tables` derives both kinds' tables on the device from the view, "
+        "`req_pool_indices` and `req_to_token` (static widths, no host read); every layer of the step reads "
+        "them (`patches.ascend_backend` routes a captured decode to `attention.decode_graph`).",
     ),
-    Patch(
-        title="NPU decode graphs: each replay's rows from the real batch",
-        target=f"{NPU_RUNNER}.execute",
-        kind=HookType.AROUND,
-        hook=fill_from_the_real_batch,
-        platforms=frozenset({NPU}),
-        requires_module=ASCEND_BACKEND_MODULE,
+    _graph_patch(
+        "each replay's rows from the real batch",
+        f"{NPU_RUNNER}.execute",
+        fill_from_the_real_batch,
+        "the real batch's rows (`DecodeRows.of_forward_batch`) go into the static inputs with one "
+        "host-to-device copy, zeros for the bucket's padding rows; the replay's KV lengths per recorded call "
+        "(`decode_graph.host_kv_lengths`, `per_record_update` in layer order) wait on the graph backend.",
         why=_WHY + " The padded replay batch stock builds carries no request's multimodal inputs.",
-        how=(
-            "the real batch's rows (`DecodeRows.of_forward_batch`) go into the static inputs with one "
-            "host-to-device copy, zeros for the bucket's padding rows; the replay's KV lengths per recorded call "
-            "(`decode_graph.host_kv_lengths`, `per_record_update` in layer order) wait on the graph backend."
-        ),
-        upstream=_UPSTREAM,
-        remove_when=_REMOVE_WHEN,
     ),
-    Patch(
-        title="NPU decode graphs: one update dict per recorded attention call",
-        target=f"{NPU_GRAPH_BACKEND}.replay_with_input_update",
-        kind=HookType.AROUND,
-        hook=update_every_record,
-        platforms=frozenset({NPU}),
-        requires_module=ASCEND_BACKEND_MODULE,
+    _graph_patch(
+        "one update dict per recorded attention call",
+        f"{NPU_GRAPH_BACKEND}.replay_with_input_update",
+        update_every_record,
+        "a MOSS-VL replay's `cpu_update_input` is the list of one dict per recorded call, in capture order.",
         why=(
             "stock passes one dict, which torch_npu's `NPUGraph.update` applies to every recorded fused-attention "
             "call; MOSS-VL's self- and cross-attention layers read different KV lengths."
         ),
-        how="a MOSS-VL replay's `cpu_update_input` is the list of one dict per recorded call, in capture order.",
-        upstream=_UPSTREAM,
-        remove_when=_REMOVE_WHEN,
     ),
-    Patch(
-        title="NPU decode graphs: text-only rows replay in the graph",
-        target=f"{DECODE_RUNNER}.can_run_graph",
-        kind=HookType.AROUND,
-        hook=text_rows_in_the_graph,
-        platforms=frozenset({NPU}),
-        requires_module=ASCEND_BACKEND_MODULE,
+    _graph_patch(
+        "text-only rows replay in the graph",
+        f"{DECODE_RUNNER}.can_run_graph",
+        text_rows_in_the_graph,
+        "for a batch of a backend with MOSS-VL decode buffers, stock's check sees a host tensor of ones; such a "
+        "row is gated off in the graph (`decode_graph.zero_rows_without_keys`, the row gate from the buffers).",
         why=(
             "stock sends an encoder-decoder batch to eager decode when any request has no encoder "
             "(`torch.all(encoder_lens > 0)`, a device read every step): one text-only request makes the batch eager."
         ),
-        how=(
-            "for a batch of a backend with MOSS-VL decode buffers, stock's check sees a host tensor of ones; such a "
-            "row is gated off in the graph (`decode_graph.zero_rows_without_keys`, the row gate from the buffers)."
-        ),
-        upstream=_UPSTREAM,
-        remove_when=_REMOVE_WHEN,
     ),
 )
