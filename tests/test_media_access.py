@@ -55,6 +55,20 @@ def test_references_are_classified(reference, kind):
     assert access.classify(reference).kind == kind
 
 
+@pytest.mark.parametrize(
+    "reference, path",
+    [
+        ("file:///data/a b.mp4", "/data/a b.mp4"),  # lmms-eval's form: not percent-encoded
+        ("file:///data/a%20b.mp4", "/data/a b.mp4"),
+        ("file://localhost/data/a.mp4", "/data/a.mp4"),
+        ("file://server/data/a.mp4", "/data/a.mp4"),  # stock reads the path on this machine, so is it checked
+        ("/data/a.mp4", "/data/a.mp4"),
+    ],
+)
+def test_a_local_reference_names_the_path_stock_would_read(reference, path):
+    assert access.classify(reference).path == path
+
+
 def test_by_default_no_local_file_is_readable_and_the_text_equals_a_missing_files(allowed, monkeypatch):
     inside, _ = allowed
     missing = refusal(str(inside / "missing.mp4"))

@@ -52,10 +52,8 @@ def classify(reference: str) -> MediaReference:
     if head.startswith(("http://", "https://")):
         return MediaReference("url", reference)
     if head.startswith("file:"):
-        parsed = urlparse(reference)
-        # file://host/path names /path on this machine (stock reads it so); keep a relative form as it is
-        path = unquote(parsed.path) if parsed.netloc in ("", "localhost") else unquote(parsed.netloc + parsed.path)
-        return MediaReference("local", reference, path)
+        # the URL's path alone, as stock reads it (file://host/x is /x on this machine)
+        return MediaReference("local", reference, unquote(urlparse(reference).path))
     if head.startswith("data:"):
         return MediaReference("inline", reference)
     compact = "".join(reference.split())
