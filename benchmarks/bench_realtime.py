@@ -23,6 +23,10 @@ Definitions (all times ``time.perf_counter()`` in this process):
     text piece of the prompt's turn or later (engine: the first ``response.text.delta`` after
     ``input.prompt.processed``; reference: the first non-control output piece after the prompt's
     ``<|round_start|>``). "-" when the model said nothing but ``<|silence|>`` before the stream ended.
+  * prompt first token: prompt accepted (as for TTFT) -> the first output of the prompt's turn, text or silence
+    (engine: the first ``response.text.delta`` or ``response.turn.silence`` carrying the turn that
+    ``input.prompt.processed`` opened; reference: the first output piece after the prompt's ``<|round_start|>``,
+    control pieces such as ``<|silence|>`` included): how fast the model reacts, whatever the weights choose to say.
   * lag of frame k: its processed time - its due time t0 + k/F (includes any wait before the push).
   * keeps up: a session keeps up when every one of its frames was processed with lag <= (1 + TOLERANCE) / F,
     i.e. before the next frame was due plus half a frame interval, so a backlog that grows by even a fraction of
@@ -39,7 +43,8 @@ The reference runs first, with no server running (an idle server would take a co
 one server. Last line: ``RESULT realtime_engine sessions_realtime_1fps=N runner_sessions_realtime_1fps=M
 frame_p95_ms_4=X`` (M: 1 if the one reference session keeps up at 1 fps, else 0; X: the engine's p95 frame
 latency at 4 sessions, 1 fps; without a 4-session run, e.g. ``--quick``, the largest N measured at 1 fps stands
-in and a warning says so).
+in and a warning says so), then ``prompt_first_token_ms=`` / ``runner_prompt_first_token_ms=`` (1 session, 1 fps)
+and the same at 2 fps (``..._2fps=``), nan where not measured.
 
 Run (CPU): .venv/bin/python benchmarks/bench_realtime.py [--quick] [--sessions 1 2 4 8] [--fps 1 2] [--seconds 8]
 """
@@ -95,6 +100,7 @@ class Run:
     latencies: list[float] = field(default_factory=list)
     lags: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
+    first_tokens: list[float] = field(default_factory=list)  # prompt accepted -> first output of its turn
     kept_up: int = 0  # sessions that kept up
     failed: list[str] = field(default_factory=list)  # why a session ended early
     peak_mib: Optional[float] = None
@@ -104,11 +110,15 @@ class Run:
     def keeps_up(self) -> bool:
         return self.kept_up == self.sessions and not self.failed
 
-    def add_session(self, latencies: list[float], lags: list[float], ttft: Optional[float]) -> None:
+    def add_session(
+        self, latencies: list[float], lags: list[float], ttft: Optional[float], first_token: Optional[float]
+    ) -> None:
         self.latencies += latencies
         self.lags += lags
         if ttft is not None:
             self.ttfts.append(ttft)
+        if first_token is not None:
+            self.first_tokens.append(first_token)
         limit = (1 + TOLERANCE) / self.fps
         if len(lags) == self.frames and max(lags) <= limit:
             self.kept_up += 1
@@ -201,12 +211,13 @@ def reference_run(model, processor, args, fps: float, frames: int) -> Run:
         reader.join(timeout=10)
     done = [(k, next((at for at, seen in forwards if seen > k), None)) for k in range(len(pushed))]
     done = [(k, at) for k, at in done if at is not None]
-    ttft = None
+    ttft = first_token = None
     if prompted is not None:
         after = [(at, piece) for at, piece in pieces if at >= prompted]
         start = next((i for i, (_, piece) in enumerate(after) if piece == ROUND_START), len(after))
         ttft = next((at - prompted for at, piece in after[start + 1 :] if not CONTROL_PIECE.match(piece)), None)
-    run.add_session([at - pushed[k] for k, at in done], [at - (t0 + k / fps) for k, at in done], ttft)
+        first_token = next((at - prompted for at, _ in after[start + 1 :]), None)
+    run.add_session([at - pushed[k] for k, at in done], [at - (t0 + k / fps) for k, at in done], ttft, first_token)
     run.peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     run.elsewhere = cores_elsewhere(before, cpu_snapshot())
     return run
@@ -295,19 +306,45 @@ def engine_run(server: SglangServer, args, count: int, fps: float, frames: int) 
             if processed is not None:
                 latencies.append(client.events[processed].at - client.events[accepted].at)
                 lags.append(client.events[processed].at - (t0 + k / fps))
-        ttft = None
+        ttft = first_token = None
         if result["prompt"] is not None:
             accepted = received(client, "input.prompt.accepted", result["prompt"])
             processed = received(client, "input.prompt.processed", result["prompt"])
             if processed is not None:
                 text = next((r for r in client.events[processed:] if r.event["type"] == "response.text.delta"), None)
                 ttft = text.at - client.events[accepted].at if text else None
+                first = first_output_of_turn(client, accepted, client.events[processed].event.get("turn_id"))
+                first_token = first.at - client.events[accepted].at if first else None
                 if args.trace:
                     log_ttft_trace(client, accepted, text, fps)
-        run.add_session(latencies, lags, ttft)
+        run.add_session(latencies, lags, ttft, first_token)
     run.peak_mib = server_peak_mib(server)
     run.elsewhere = cores_elsewhere(before, cpu_snapshot(server))
     return run
+
+
+def first_output_of_turn(client: RealtimeClient, since: int, turn_id: Optional[int]):
+    """The first text delta or silence of turn ``turn_id`` in ``client.events`` from index ``since``, else None."""
+    outputs = ("response.text.delta", "response.turn.silence")
+    return next(
+        (r for r in client.events[since:] if r.event["type"] in outputs and r.event.get("turn_id") == turn_id), None
+    )
+
+
+def log_interrupts(server: SglangServer) -> None:
+    """The scheduler's account of every interrupted step of the server's runs: the tokens it had when the interrupt
+    reached the scheduler and the tokens it generated (one more is the forward under way; more would be tokens
+    decoded after the interrupt)."""
+    log = Path(server.log_path).read_text(errors="replace")
+    at_interrupt = dict(re.findall(r"realtime step (\S+) interrupted after (\d+) tokens", log))
+    generated = dict(re.findall(r"realtime step (\S+): extended .*? generated (\d+)", log))
+    later = [rid for rid, had in at_interrupt.items() if int(generated.get(rid, 0)) > int(had) + 1]
+    logger.info(
+        "interrupts: %d steps interrupted (tokens had -> generated: %s); %d decoded a token after the interrupt",
+        len(at_interrupt),
+        ", ".join(f"{had}->{generated.get(rid, '?')}" for rid, had in at_interrupt.items()),
+        len(later),
+    )
 
 
 def log_ttft_trace(client: RealtimeClient, accepted: int, text, fps: float) -> None:
@@ -348,6 +385,8 @@ def engine_runs(checkpoint: Path, args, frames_of) -> list[Run]:
             for fps in args.fps:
                 runs.append(engine_run(server, args, count, fps, frames_of(fps)))
                 log_run(runs[-1])
+        if args.trace:
+            log_interrupts(server)
     return runs
 
 
@@ -378,20 +417,33 @@ def print_table(runs: list[Run], shapes: str) -> None:
     print(shapes)
     print(
         f"{'side':<10} {'sessions':>8} {'fps':>4} {'frames':>9} {'p50 ms':>8} {'p95 ms':>8} {'max lag ms':>10} "
-        f"{'TTFT ms':>8} {'kept up':>8} {'keeps up':>8} {'peak MiB':>9} {'elsewhere':>9}"
+        f"{'TTFT ms':>8} {'1st tok':>8} {'kept up':>8} {'keeps up':>8} {'peak MiB':>9} {'elsewhere':>9}"
     )
     for run in runs:
         ttft = f"{1e3 * percentile(run.ttfts, 50):.0f}" if run.ttfts else "-"
+        first = f"{1e3 * percentile(run.first_tokens, 50):.0f}" if run.first_tokens else "-"
         peak = f"{run.peak_mib:.0f}" if run.peak_mib is not None else "-"
         print(
             f"{run.side:<10} {run.sessions:>8} {run.fps:>4g} {len(run.latencies):>4}/{run.sessions * run.frames:<4} "
             f"{1e3 * percentile(run.latencies, 50):>8.0f} {1e3 * percentile(run.latencies, 95):>8.0f} "
-            f"{1e3 * max(run.lags, default=math.nan):>10.0f} {ttft:>8} {run.kept_up:>3}/{run.sessions:<4} "
+            f"{1e3 * max(run.lags, default=math.nan):>10.0f} {ttft:>8} {first:>8} {run.kept_up:>3}/{run.sessions:<4} "
             f"{'yes' if run.keeps_up else 'no':>8} {peak:>9} {run.elsewhere:>9.2f}"
         )
     for run in runs:
         for why in run.failed:
             print(f"  {run.side} {run.sessions}x{run.fps:g} fps: a session ended early: {why}")
+
+
+def prompt_first_token_fields(runs: list[Run]) -> str:
+    """``prompt_first_token_ms=`` (engine) and ``runner_prompt_first_token_ms=`` at 1 session, 1 fps, then 2 fps;
+    the median over the run's sessions, nan where not measured."""
+    fields = []
+    for fps, suffix in ((1.0, ""), (2.0, "_2fps")):
+        for side, name in (("engine", "prompt_first_token_ms"), ("reference", "runner_prompt_first_token_ms")):
+            run = next((r for r in runs if r.side == side and r.sessions == 1 and r.fps == fps), None)
+            value = 1e3 * percentile(run.first_tokens, 50) if run is not None else math.nan
+            fields.append(f"{name}{suffix}={value:.1f}")
+    return " ".join(fields)
 
 
 def describe(checkpoint: Path, args) -> str:
@@ -460,7 +512,7 @@ def main(argv=None) -> int:
     print(
         f"RESULT realtime_engine sessions_realtime_1fps={most_sessions(engine, 1.0)} "
         f"runner_sessions_realtime_1fps={most_sessions([r for r in runs if r.side == 'reference'], 1.0)} "
-        f"frame_p95_ms_4={p95_four:.1f}"
+        f"frame_p95_ms_4={p95_four:.1f} {prompt_first_token_fields(runs)}"
     )
     return 0
 

@@ -16,12 +16,13 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(
-    r"^(reference|engine)\s+(\d+)\s+([\d.]+)\s+(\d+)/(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+|-)\s+(\d+)/(\d+)\s+"
+    r"^(reference|engine)\s+(\d+)\s+([\d.]+)\s+(\d+)/(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+|-)\s+(\d+|-)\s+(\d+)/(\d+)\s+"
     r"(yes|no)\s+(\d+)\s+([\d.]+)$"
 )
 RESULT = re.compile(
     r"^RESULT realtime_engine sessions_realtime_1fps=(\d+) runner_sessions_realtime_1fps=(\d+) "
-    r"frame_p95_ms_4=([\d.]+)$"
+    r"frame_p95_ms_4=([\d.]+) prompt_first_token_ms=([\d.]+) runner_prompt_first_token_ms=([\d.]+) "
+    r"prompt_first_token_ms_2fps=([\d.]+) runner_prompt_first_token_ms_2fps=([\d.]+)$"
 )
 
 pytestmark = pytest.mark.timeout(400)
@@ -48,7 +49,7 @@ def test_quick_prints_a_sane_table_and_result_line():
     assert set(rows) == expected, completed.stdout
     assert "ended early" not in completed.stdout, completed.stdout
     for key, groups in rows.items():
-        processed, pushed, p50, p95, max_lag, ttft, kept, sessions, keeps_up, peak, elsewhere = groups[3:]
+        processed, pushed, p50, p95, max_lag, ttft, first, kept, sessions, keeps_up, peak, elsewhere = groups[3:]
         assert int(processed) == int(pushed) > 0, key  # every frame processed, none lost
         # A frame's latency is timed by the client's arrival of two events; when its loop reads both in one go (the
         # machine busy elsewhere), that frame measures 0 ms, so only the tail must be positive.
@@ -57,13 +58,20 @@ def test_quick_prints_a_sane_table_and_result_line():
         assert ttft == "-" or int(ttft) >= 0, (
             key
         )  # ms, rounded: a prompt drained into a running step can answer at once
+        # One session's prompt always gets a first output in its turn (text or silence), after the prompt's own
+        # extend; the first text can only come with it or later.
+        assert key[1] > 1 or (first != "-" and int(first) > 0), key
+        assert key[1] > 1 or ttft == "-" or int(first) <= int(ttft), key
         assert int(sessions) == key[1] and 0 <= int(kept) <= int(sessions), key
         assert (keeps_up == "yes") == (int(kept) == int(sessions)), key
     result = RESULT.match(lines[-1])
     assert result, lines[-1]
     engine_1fps, runner_1fps, p95_ms = int(result.group(1)), int(result.group(2)), float(result.group(3))
-    kept_up = [n for (side, n, fps), groups in rows.items() if side == "engine" and fps == 1.0 and groups[11] == "yes"]
+    kept_up = [n for (side, n, fps), groups in rows.items() if side == "engine" and fps == 1.0 and groups[12] == "yes"]
     assert engine_1fps == max(kept_up, default=0)
-    assert runner_1fps == (rows[("reference", 1, 1.0)][11] == "yes")
+    assert runner_1fps == (rows[("reference", 1, 1.0)][12] == "yes")
+    first_tokens = [float(value) for value in result.groups()[3:]]
+    in_rows = [int(rows[(side, 1, fps)][9]) for fps in (1.0, 2.0) for side in ("engine", "reference")]
+    assert all(abs(a - b) <= 1 for a, b in zip(first_tokens, in_rows)), (first_tokens, in_rows)
     # --quick has no 4-session run: the largest one at 1 fps (2 sessions) stands in.
     assert p95_ms > 0 and abs(p95_ms - int(rows[("engine", 2, 1.0)][6])) <= 1
