@@ -12,7 +12,7 @@ DEVICE ?= cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint test test-fast catalog demo demo-realtime serve eval tiny-model bench bench-serving bench-realtime bench-realtime-engine bench-graphs serve-fleet bench-fleet clean
+.PHONY: help setup lint test test-fast catalog demo demo-realtime serve eval tiny-model bench bench-serving bench-realtime bench-realtime-engine bench-graphs soak-realtime serve-fleet bench-fleet clean
 
 help: ## list the targets with what each does
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -91,6 +91,10 @@ bench-graphs: setup ## decode graphs vs eager on CPU (--enable-torch-compile): T
 
 bench-realtime-engine: setup ## realtime sessions served by sglang (1-8 sessions, 1 and 2 fps) beside the transformers session
 	$(CPU_ENV) $(PY) benchmarks/bench_realtime.py $(ARGS)
+
+MINUTES ?= 20
+soak-realtime: setup ## MINUTES= (default 20) of 4 realtime sessions at 1 fps, frame window on, questions, barge-ins, a drop; ARGS= adds options
+	$(CPU_ENV) $(PY) benchmarks/soak_realtime.py --minutes $(MINUTES) $(ARGS)
 
 clean: ## remove the venv and built artefacts
 	rm -rf $(VENV) build

@@ -60,6 +60,7 @@ SERVED_WITHOUT_POOL = {
         "test_a_rate_cap_paces_each_turn",
     },
     "test_serving_realtime_ws.py": "*",
+    "test_soak_realtime.py": "*",  # benchmarks/soak_realtime.py --minutes 2 serves the tiny-realtime model
 }
 # `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): each module is one unit of work, sent
 # whole to one worker (its module-scoped fixtures, servers among them, are set up once). Modules whose servers the
@@ -73,7 +74,9 @@ SHARED_SERVER_GROUPS = [
 LONGEST_FIRST = [
     "test_serving_paged.py",  # with test_serving_chunked.py: 561 s
     "test_serving_realtime_ws.py",  # 450 s
+    "test_serving_decode_graphs.py",  # 365 s: two servers that compile decode graphs (2026-12-05)
     "test_serving_multirank.py",  # 297 s
+    "test_soak_realtime.py",  # ~200 s: a 2-minute load, its server start and the reference probe (2026-12-05)
     "test_fleet.py",  # 138 s
     "test_serving_kv_layout.py",  # 130 s
     "test_serving.py",  # with test_serving_cache.py: 119 s
