@@ -55,6 +55,8 @@ pytestmark = pytest.mark.timeout(1800)
 STEP_LINE = re.compile(
     r"realtime step mossvl-realtime:(\w+):(\d+): extended (\d+) rows, (\d+) new frames through the vision tower"
 )
+# Stock's decode log line (every step with --decode-log-interval 1): whether the CPU graph ran it.
+DECODE_LINE = re.compile(r"Decode batch, #running-req: \d+,.*?cpu graph: (True|False)")
 # Every server here: fp32, and no warm-up request before /health answers (each test's first session is one; ~3 s
 # of start-up each).
 SERVER_BASE = ["--dtype", "float32", "--skip-server-warmup"]
@@ -68,6 +70,12 @@ CONFIGS = {
     # A 1 s frame window: the 2 fps scripts evict frames, and a page of 8 slots (under 2 tiny frames) is given back
     # while the page it shares with the window's first frame keeps evicted keys the rows must not see.
     "window1s-page8-chunk8": ["--page-size", "8", "--chunked-prefill-size", "8"],
+    # CPU decode graphs (torch.compile), one bucket of 8: every decode step of the sessions (slot-major encoders)
+    # and the ordinary request replays the graph, padded; stock logs each step.
+    "graphs-page128": [
+        *("--page-size", "128", "--enable-torch-compile", "--cuda-graph-bs-decode", "8"),
+        *("--decode-log-interval", "1"),
+    ],
 }
 WINDOWS = {"window1s-page8-chunk8": 1.0}
 # An image question with its own system turn: the realtime checkpoint's chat template adds its realtime system
@@ -117,7 +125,8 @@ def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config
     if window is not None:
         monkeypatch.setenv(FRAME_WINDOW_ENV, str(window))
     extra = [*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096", *CONFIGS[config]]
-    with SglangServer(checkpoint, extra_args=extra, name=f"realtime-{config}") as server:
+    graphs = "--enable-torch-compile" in CONFIGS[config]
+    with SglangServer(checkpoint, extra_args=extra, name=f"realtime-{config}", ready_timeout_s=900) as server:
         url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
         client, model_name = openai_client(server)
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -129,6 +138,9 @@ def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config
     tokenizer = reference["tokenizer"]
     if window is not None:
         assert "left the window" in log
+    if graphs:
+        decode_steps = DECODE_LINE.findall(log)
+        assert decode_steps and all(graph == "True" for graph in decode_steps), decode_steps
     for name, session in sessions.items():
         tokens = reference["streams"][window][name]
         assert served_turn_texts(session) == turn_texts(tokenizer, tokens), name
