@@ -399,6 +399,8 @@ class RealtimeSessions:
         has no realtime step. Read from what :meth:`prepare_step` recorded on each request's multimodal inputs: the
         step's new vision tokens go through the vision tower in the extend that starts at the step's first row (a
         later chunk of it starts further on), which is marked uncached."""
+        if not any(parse_step_rid(rid) for rid in getattr(forward_batch, "rids", None) or ()):
+            return None  # no realtime step in the batch: nothing to read per request
         mms = [req.multimodal_inputs for req in batch.reqs]
         rows = [side_channel.ENCODER_ROWS.get(mm) for mm in mms]
         if not any(row is not None for row in rows):
