@@ -235,16 +235,14 @@ def test_local_media_outside_the_allowed_directory_is_refused_as_if_missing(serv
 
 class StoppingProxy(ThreadingHTTPServer):
     """A loopback stand-in for a server that stops mid-run: it forwards requests to ``target`` and, once it has
-    answered ``chats`` chat completions, closes its port (the later requests are refused, as by a stopped server)."""
+    answered ``chats`` chat completions, drops every later connection without a response, as a server killed
+    mid-run does. (Closing its port from a thread raced the client's next request, which was sometimes still
+    answered.)"""
 
     def __init__(self, target: str, chats: int):
         self.target, self.chats_left = target, chats
         super().__init__(("127.0.0.1", 0), ForwardingHandler)
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
-
-    def shutdown_and_close(self) -> None:
-        self.shutdown()
-        self.server_close()
 
 
 class ForwardingHandler(BaseHTTPRequestHandler):
@@ -253,11 +251,12 @@ class ForwardingHandler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.server.chats_left == 0:
+            self.close_connection = True
+            return
+        self.server.chats_left -= 1
         headers = {"Content-Type": self.headers["Content-Type"]}
         self.forward(requests.post(f"{self.server.target}{self.path}", data=body, headers=headers, timeout=300))
-        self.server.chats_left -= 1
-        if self.server.chats_left == 0:
-            threading.Thread(target=self.server.shutdown_and_close, daemon=True).start()
 
     def forward(self, response: requests.Response) -> None:
         self.send_response(response.status_code)
@@ -287,7 +286,11 @@ def test_the_evaluator_exits_non_zero_and_counts_the_samples_a_stopped_server_fa
     proxy = StoppingProxy(server.base_url, chats=2)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     out = allowed / "eval-stopped"
-    status = evaluate.main(["--base-url", proxy.url, "--no-runner", "--out", str(out), "--timeout", "30"])
+    try:
+        status = evaluate.main(["--base-url", proxy.url, "--no-runner", "--out", str(out), "--timeout", "30"])
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
     printed = capsys.readouterr().out
     assert status == 1
     assert "4 of 6 samples failed" in printed
