@@ -76,6 +76,7 @@ class DecodeView:
     slot_major: torch.Tensor
     gate: torch.Tensor
     table: torch.Tensor  # int32 [len(FIELDS), bs]: the same columns as one tensor (the CPU op's argument)
+    step: torch.Tensor  # int64 [1]: which fill this is (the CPU op builds a step's metadata once, not per layer)
 
     @property
     def row_gate(self) -> torch.Tensor:
@@ -91,6 +92,8 @@ class DecodeBuffers:
         self.max_bs = max_bs
         self.table = torch.zeros(len(FIELDS), max_bs, dtype=torch.int32, device=device)
         self._staging = torch.zeros(len(FIELDS), max_bs, dtype=torch.int32)
+        self.step = torch.zeros(1, dtype=torch.int64, device=device)
+        self._fills = 0
 
     def fill(self, rows: DecodeRows, bs: int) -> DecodeView:
         """Write ``rows`` (then zeros up to the bucket size ``bs``) with one host-to-device copy; returns the view."""
@@ -99,11 +102,27 @@ class DecodeBuffers:
         self._staging[:, :bs].zero_()
         self._staging[:, : rows.batch_size] = torch.tensor([getattr(rows, name) for name in FIELDS])
         self.table[:, :bs].copy_(self._staging[:, :bs], non_blocking=True)
+        self._fills += 1
+        self.step.fill_(self._fills)
         return self.view(bs)
 
     def view(self, bs: int) -> DecodeView:
         table = self.table[:, :bs]
-        return DecodeView(*table, table=table)
+        return DecodeView(*table, table=table, step=self.step)
+
+
+# The metadata of the step :func:`decode_attention` last ran, keyed by (the table's storage, the step's fill):
+# every layer of a step reads the same metadata and its cached gather tables, as an eager forward's layers do.
+_STEP_METADATA: dict[tuple[int, int], ForwardAttentionMetadata] = {}
+
+
+def metadata_of_step(seq_lens: torch.Tensor, table: torch.Tensor, step: torch.Tensor) -> ForwardAttentionMetadata:
+    """:func:`metadata_of_decode_table`, built on a step's first layer and reused by its later layers."""
+    key = (table.data_ptr(), int(step))
+    if key not in _STEP_METADATA:
+        _STEP_METADATA.clear()
+        _STEP_METADATA[key] = metadata_of_decode_table(seq_lens, table)
+    return _STEP_METADATA[key]
 
 
 def metadata_of_decode_table(seq_lens: torch.Tensor, table: torch.Tensor) -> ForwardAttentionMetadata:
@@ -115,6 +134,21 @@ def metadata_of_decode_table(seq_lens: torch.Tensor, table: torch.Tensor) -> For
     return metadata.with_lower_bounds(lowers)
 
 
+@torch.library.custom_op("mossvl::store_decode_kv", mutates_args=("k_cache", "v_cache"))
+def store_decode_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Write a decode step's new text K/V into rows ``loc`` of a layer's cache, in place.
+
+    The same rows stock's pool writes (its CPU path without AMX: ``cache[loc] = k`` in the pool's dtype), as an op
+    that declares the mutation: a layer's cache is a view into a storage tensor shared with other layers and
+    bands, and ``torch.compile`` turns a traced index write into such a view into a copy of the whole view every
+    layer and step (a micro-check: 100 ms against 0.5 ms at 65536 rows); a declared in-place op is written in
+    place."""
+    k_cache[loc] = k.to(k_cache.dtype)
+    v_cache[loc] = v.to(v_cache.dtype)
+
+
 @torch.library.custom_op("mossvl::decode_attention", mutates_args=())
 def decode_attention(
     query: torch.Tensor,
@@ -124,6 +158,7 @@ def decode_attention(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     table: torch.Tensor,
+    step: torch.Tensor,
     is_cross_attention: bool,
     scale: float,
     logit_cap: float,
@@ -131,7 +166,8 @@ def decode_attention(
     band_stride: int,
 ) -> torch.Tensor:
     """One layer's decode attention for the batch: query ``[bs, heads, dim]``, the static ``table`` of
-    :class:`DecodeBuffers`; returns ``[bs, heads, v_dim]`` (a cross-attention row that sees no vision token is 0)."""
+    :class:`DecodeBuffers` and its fill ``step``; returns ``[bs, heads, v_dim]`` (a cross-attention row that sees
+    no vision token is 0)."""
     layer = AttentionLayer(
         is_cross_attention=is_cross_attention, scale=scale, causal=not is_cross_attention, logit_cap=logit_cap
     )
@@ -141,7 +177,7 @@ def decode_attention(
         v_cache,
         req_to_token,
         req_pool_indices,
-        metadata_of_decode_table(seq_lens, table),
+        metadata_of_step(seq_lens, table, step),
         layer,
         addressing=EncoderAddressing(bands, band_stride),
     )

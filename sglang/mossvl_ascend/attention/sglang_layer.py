@@ -17,7 +17,7 @@ from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_m
 from mossvl_ascend import side_channel
 from mossvl_ascend.attention.core import AttentionLayer, attention
 from mossvl_ascend.attention.decode_graph import StepTables, graph_decode_attention
-from mossvl_ascend.attention.decode_step import DecodeView, decode_attention
+from mossvl_ascend.attention.decode_step import DecodeView, decode_attention, store_decode_kv
 from mossvl_ascend.attention.kv_layout import addressing_of_pool
 from mossvl_ascend.attention.metadata import metadata_of_forward_batch
 
@@ -72,7 +72,19 @@ def encoder_decoder_attention(
     already cached or the batch has no vision input), then the core (an NPU graph's decode step: its
     ``graph_tables``). q ``[num_tokens, num_heads * head_dim]``; returns ``[num_tokens, num_heads * v_head_dim]``.
     """
-    if save_kv_cache and k is not None and v is not None:
+    view = None if graph_tables is not None else captured_decode_view(forward_batch)
+    # A captured CPU decode step writes its text K/V through the in-place op (a quantized cache keeps the pool's own
+    # write: it stores scales too).
+    in_place = view is not None and not layer.is_cross_attention and not token_to_kv_pool.is_quantized_kv_cache
+    if save_kv_cache and k is not None and v is not None and in_place:
+        store_decode_kv(
+            token_to_kv_pool.get_key_buffer(layer.layer_id),
+            token_to_kv_pool.get_value_buffer(layer.layer_id),
+            forward_batch.out_cache_loc,
+            k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim),
+            v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim),
+        )
+    elif save_kv_cache and k is not None and v is not None:
         if layer.is_cross_attention:
             write_loc = KVWriteLoc(forward_batch.encoder_out_cache_loc, None)
         else:
@@ -82,7 +94,6 @@ def encoder_decoder_attention(
     v_cache = token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, layer.tp_v_head_num, layer.v_head_dim)
     query = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
     constants, addressing = layer_constants(layer), addressing_of_pool(token_to_kv_pool)
-    view = None if graph_tables is not None else captured_decode_view(forward_batch)
     if graph_tables is not None:
         if constants.logit_cap:
             raise NotImplementedError("an NPU decode graph of a layer with logit capping (the fused op has none)")
@@ -103,6 +114,7 @@ def encoder_decoder_attention(
             forward_batch.req_pool_indices,
             forward_batch.seq_lens,
             view.table,
+            view.step,
             constants.is_cross_attention,
             constants.scale,
             constants.logit_cap,

@@ -10,6 +10,8 @@ import logging
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.layer_boundary.exit import ExitDecision
+from sglang.srt.layers.layer_boundary.residual.stream import Contribution
 from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend import side_channel
@@ -57,6 +59,34 @@ def fill_decode_inputs(original, runner, forward_batch, *args, **kwargs):
     return prepared
 
 
+def traceable_twin(struct: type) -> type:
+    """A plain Python class with ``struct``'s fields (same order, same defaults) and its methods.
+
+    Dynamo cannot construct or mutate a ``msgspec.Struct`` (``object.__new__`` of a C-defined type), so each
+    layer's residual bookkeeping broke the compiled decode step into per-layer pieces with Python in between; the
+    twin traces. Frozen-ness is not enforced (stock never assigns to the frozen ones after construction)."""
+    fields = struct.__struct_fields__
+    defaults = dict(zip(fields[len(fields) - len(struct.__struct_defaults__) :], struct.__struct_defaults__))
+
+    def __init__(self, *args, **kwargs):
+        given = dict(zip(fields, args), **kwargs)
+        for name in fields:
+            setattr(self, name, given[name] if name in given else defaults[name])
+
+    methods = {name: value for name, value in vars(struct).items() if callable(value) and not name.startswith("__")}
+    body = {"__slots__": fields, "__init__": __init__, "__doc__": struct.__doc__, "__module__": __name__, **methods}
+    return type(struct.__name__, (), body)
+
+
+def compile_without_freezing(result, *args, **kwargs):
+    """AFTER hook on ``cpu_graph_runner.set_torch_compile_config``: inductor's freezing off again (stock turns it
+    on), so the MOSS-VL decode step compiles as one graph; see the catalog entry."""
+    import torch._inductor.config
+
+    torch._inductor.config.freezing = False
+    logger.info("MOSS-VL CPU decode graphs: inductor freezing off (its passes fail on the MOSS-VL step)")
+
+
 def fake_only_what_exists(original, op_name: str):
     """AROUND hook on ``cpu_graph_runner.register_cpu_compile_fake``: a kernel the installed ``sgl_kernel`` does not
     define needs no compile-time fake (nothing can call it), so it gets none instead of failing the start-up."""
@@ -66,7 +96,34 @@ def fake_only_what_exists(original, op_name: str):
     return lambda fake: fake
 
 
+TWIN_WHY = (
+    "dynamo cannot construct or assign to a `msgspec.Struct`, so under `--enable-torch-compile` every layer's "
+    "residual-stream bookkeeping was a graph break (TORCH_LOGS=graph_breaks: `object.__new__({name}) is not safe`) and "
+    "the text model's forward fell back to eager: the compiled decode step was slower than eager."
+)
+TWIN_HOW = (
+    "the struct is replaced by its traceable twin (`traceable_twin`): a plain Python class with the same fields, "
+    "defaults and methods, which dynamo traces into the step's one graph."
+)
+
+
+def _twin_patch(struct: type, target: str) -> Patch:
+    return Patch(
+        title=f"CPU decode graphs: the layer boundary's {struct.__name__} as a plain class dynamo traces",
+        target=target,
+        kind=HookType.REPLACE,
+        hook=traceable_twin(struct),
+        platforms=frozenset({CPU}),
+        why=TWIN_WHY.format(name=struct.__name__),
+        how=TWIN_HOW,
+        upstream="not upstream in 0.5.23",
+        remove_when="dynamo traces msgspec structs, or stock's layer boundary stops using them on the decode path",
+    )
+
+
 PATCHES = (
+    _twin_patch(Contribution, "sglang.srt.layers.layer_boundary.residual.stream.Contribution"),
+    _twin_patch(ExitDecision, "sglang.srt.layers.layer_boundary.exit.ExitDecision"),
     Patch(
         title="CPU decode graphs: torch_native gets the CPU graph runner's methods",
         target=TORCH_NATIVE_CLASS,
@@ -108,6 +165,26 @@ PATCHES = (
         ),
         upstream="not upstream in 0.5.23",
         remove_when="stock's CPU graph runner carries encoder-decoder metadata for non-AMX backends",
+    ),
+    Patch(
+        title="CPU decode graphs: inductor without freezing",
+        target="sglang.srt.model_executor.cpu_graph_runner.set_torch_compile_config",
+        kind=HookType.AFTER,
+        hook=compile_without_freezing,
+        platforms=frozenset({CPU}),
+        why=(
+            "stock compiles CPU graphs with `torch._inductor.config.freezing = True`; on the whole MOSS-VL decode step "
+            "a freezing pass fails (`Attempting to broadcast a dimension of length 32`: an RMSNorm weight of "
+            "head_dim against the hidden rows), dynamo gives up on the forward (`WON'T CONVERT`) and compiles its "
+            "sub-frames one by one: the tiny checkpoint's graph TPOT at batch 4 was 80-98 ms against 12 ms "
+            "without freezing."
+        ),
+        how=(
+            "after stock's configuration, freezing is set back to False (weights stay graph inputs instead of "
+            "constants; nothing else of stock's settings changes). One log line says so."
+        ),
+        upstream="not upstream in 0.5.23",
+        remove_when="inductor's freezing passes compile the MOSS-VL decode step",
     ),
     Patch(
         title="CPU decode graphs: compile-time fakes only for the sgl_kernel ops that exist",

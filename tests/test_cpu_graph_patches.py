@@ -1,0 +1,115 @@
+"""What makes a compiled CPU decode step of MOSS-VL one graph and cheap to replay (``patches.cpu_graph``,
+``attention.decode_step``), checked without a server: the served equality of graphs and eager is
+``tests/test_serving_decode_graphs.py``'s.
+
+- The layer boundary's ``msgspec`` structs break a dynamo trace (the stock ``Contribution`` fails
+  ``fullgraph=True``); their traceable twins trace and keep the structs' fields, defaults and methods.
+- The compiled step's text K/V write (``mossvl::store_decode_kv``) lands in its layer's band of a shared storage
+  tensor and nowhere else, and the same graph reads it back.
+- The CPU decode op builds a step's metadata once for all its layers, and anew for every fill of the buffers, even
+  a fill with the same rows (a pool row reused by another request must not get the previous step's gather tables).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang.srt.layers.layer_boundary import exit as boundary_exit
+from sglang.srt.layers.layer_boundary.residual import stream
+
+from mossvl_ascend.attention import decode_step
+from mossvl_ascend.attention.decode_step import DecodeBuffers, DecodeRows
+from mossvl_ascend.patches.cpu_graph import traceable_twin
+
+
+class PlainAdd:
+    """A residual update as a producer declares it: a plain add, bound at its stage (``bind`` is None)."""
+
+    bind = None
+    is_plain_add = True
+
+
+def record_then_write(x: torch.Tensor) -> torch.Tensor:
+    """One layer's residual bookkeeping: the producer records its output, the next boundary reads and writes it."""
+    residual_stream = stream.ResidualStream(x)
+    hidden = residual_stream.record(x * 2, PlainAdd())
+    output, residual = residual_stream.input(hidden)
+    return residual_stream.write(output + residual)
+
+
+def test_the_stock_struct_breaks_a_full_graph_trace():
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(record_then_write, fullgraph=True, backend="eager")(torch.ones(3))
+
+
+def test_its_twin_traces_into_one_graph_with_the_same_result(monkeypatch):
+    monkeypatch.setattr(stream, "Contribution", traceable_twin(stream.Contribution))
+    torch._dynamo.reset()
+    x = torch.arange(3.0)
+    traced = torch.compile(record_then_write, fullgraph=True, backend="eager")(x)
+    assert torch.equal(traced, x * 3)
+
+
+@pytest.mark.parametrize("struct", [stream.Contribution, boundary_exit.ExitDecision], ids=lambda s: s.__name__)
+def test_a_twin_has_the_structs_fields_defaults_and_methods(struct):
+    twin = traceable_twin(struct)
+    assert twin.__slots__ == struct.__struct_fields__
+    methods = {name for name, value in vars(struct).items() if callable(value) and not name.startswith("__")}
+    assert methods <= set(vars(twin))
+
+
+def test_a_contribution_twin_completes_and_releases_as_the_struct_does():
+    twin = traceable_twin(stream.Contribution)
+    value = torch.ones(2)
+    for cls in (stream.Contribution, twin):
+        contribution = cls(value, PlainAdd())
+        assert contribution.owed is None  # the struct's default
+        assert contribution.complete() is value and contribution.for_boundary() is value
+        contribution.release()
+        assert (contribution.value, contribution.owed, contribution.update) == (None, None, None)
+    keyword = twin(value, update=None, owed="owed")
+    assert (keyword.value, keyword.update, keyword.owed) == (value, None, "owed")
+
+
+def rows(vision: list[int]) -> DecodeRows:
+    n = len(vision)
+    return DecodeRows(vision, [v // 3 for v in vision], [0] * n, [0] * n, [int(v > 0) for v in vision])
+
+
+def test_a_steps_layers_share_one_metadata_and_each_fill_gets_its_own():
+    buffers = DecodeBuffers(4, "cpu")
+    seq_lens = torch.tensor([7, 9])
+    view = buffers.fill(rows([6, 0]), 2)
+    first = decode_step.metadata_of_step(seq_lens, view.table, view.step)
+    assert decode_step.metadata_of_step(seq_lens, view.table, view.step) is first  # the step's next layer
+    assert first.encoder_lens == [6, 0]
+    again = buffers.fill(rows([6, 0]), 2)  # the same rows, the next step: fresh metadata
+    second = decode_step.metadata_of_step(seq_lens, again.table, again.step)
+    assert second is not first
+    changed = buffers.fill(rows([0, 12]), 2)
+    assert decode_step.metadata_of_step(seq_lens, changed.table, changed.step).encoder_lens == [0, 12]
+
+
+def test_the_compiled_kv_write_lands_in_its_band_of_the_shared_storage_and_nowhere_else():
+    """Two bands of one storage tensor (as ``patches.kv_pool`` shapes a cross layer's storage for two self layers):
+    a compiled step writes band 1's rows ``loc`` through ``mossvl::store_decode_kv`` (bf16 values into an fp32
+    cache, cast as the pool casts) and reads them back in the same graph; band 0 and every other row keep their
+    bytes."""
+    storage = torch.randn(2 * 64, 2, 8)
+    before = storage.clone()
+    band_1 = storage[64:]
+    loc = torch.tensor([3, 17, 40])
+    k = torch.randn(3, 2, 8, dtype=torch.bfloat16)
+    v = torch.randn(3, 2, 8, dtype=torch.bfloat16)
+
+    def step(cache, loc, k, v):
+        decode_step.store_decode_kv(cache, cache, loc, k, v)
+        return cache[loc] * 2
+
+    torch._dynamo.reset()
+    read = torch.compile(step, fullgraph=True, dynamic=False)(band_1, loc, k, v)
+    expected = before.clone()
+    expected[64 + loc] = v.float()  # k then v into the same cache: v's values stay
+    assert torch.equal(storage, expected)
+    assert torch.equal(read, v.float() * 2)
