@@ -258,10 +258,15 @@ def decode_row_gate(forward_batch) -> list[bool]:
     it inherits saw at least one frame (a request without visible-frame counts sees every frame)."""
     gate = []
     for i, encoder_len in enumerate(_encoder_lens_list(forward_batch)):
-        mm_input = forward_batch.mm_inputs[i] if forward_batch.mm_inputs else None
-        counts = getattr(mm_input, "visible_frame_counts", None) if mm_input is not None else None
+        counts = visible_frame_counts_of(forward_batch, i)
         gate.append(bool(encoder_len) and (counts is None or bool(counts[-1] > 0)))
     return gate
+
+
+def visible_frame_counts_of(forward_batch, i: int):
+    """Request ``i``'s per-row visible-frame counts, or None when it has no multimodal input or no counts."""
+    mm_input = forward_batch.mm_inputs[i] if forward_batch.mm_inputs else None
+    return getattr(mm_input, "visible_frame_counts", None) if mm_input is not None else None
 
 
 def _with_realtime_rows(metadata: ForwardAttentionMetadata, forward_batch) -> ForwardAttentionMetadata:

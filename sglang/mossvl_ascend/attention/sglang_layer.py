@@ -76,20 +76,19 @@ def encoder_decoder_attention(
     # A captured CPU decode step writes its text K/V through the in-place op (a quantized cache keeps the pool's own
     # write: it stores scales too).
     in_place = view is not None and not layer.is_cross_attention and not token_to_kv_pool.is_quantized_kv_cache
-    if save_kv_cache and k is not None and v is not None and in_place:
-        store_decode_kv(
-            token_to_kv_pool.get_key_buffer(layer.layer_id),
-            token_to_kv_pool.get_value_buffer(layer.layer_id),
-            forward_batch.out_cache_loc,
-            k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim),
-            v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim),
-        )
-    elif save_kv_cache and k is not None and v is not None:
-        if layer.is_cross_attention:
-            write_loc = KVWriteLoc(forward_batch.encoder_out_cache_loc, None)
+    if save_kv_cache and k is not None and v is not None:
+        if in_place:
+            store_decode_kv(
+                token_to_kv_pool.get_key_buffer(layer.layer_id),
+                token_to_kv_pool.get_value_buffer(layer.layer_id),
+                forward_batch.out_cache_loc,
+                k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim),
+                v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim),
+            )
+        elif layer.is_cross_attention:
+            token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.encoder_out_cache_loc, None), k, v)
         else:
-            write_loc = KVWriteLoc(forward_batch.out_cache_loc, swa_out_cache_loc)
-        token_to_kv_pool.set_kv_buffer(layer, write_loc, k, v)
+            token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, swa_out_cache_loc), k, v)
     k_cache = token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, layer.tp_k_head_num, layer.qk_head_dim)
     v_cache = token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, layer.tp_v_head_num, layer.v_head_dim)
     query = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)

@@ -10,14 +10,9 @@ from __future__ import annotations
 import torch
 from sglang.srt.plugins.hook_registry import HookType
 
-from mossvl_ascend.attention.metadata import decode_row_gate, visible_frames_of_rows
+from mossvl_ascend.attention.metadata import decode_row_gate, visible_frame_counts_of, visible_frames_of_rows
 from mossvl_ascend.attention.sglang_layer import captured_decode_view
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
-
-
-def _request_counts(forward_batch, i):
-    mm_input = forward_batch.mm_inputs[i] if forward_batch.mm_inputs else None
-    return mm_input.visible_frame_counts if mm_input is not None else None
 
 
 def text_row_gate(model, forward_batch) -> torch.Tensor:
@@ -30,7 +25,7 @@ def text_row_gate(model, forward_batch) -> torch.Tensor:
     parts = []
     for i in range(forward_batch.batch_size):
         q_len = forward_batch.extend_seq_lens_cpu[i]
-        counts = _request_counts(forward_batch, i)
+        counts = visible_frame_counts_of(forward_batch, i)
         if forward_batch.encoder_lens_cpu[i] == 0:
             parts.append(torch.zeros(q_len, dtype=torch.bool))
         elif counts is None:
