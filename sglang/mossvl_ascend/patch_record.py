@@ -38,6 +38,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vision_rotary",
     "ascend_sampler",
     "cpu_attention",
+    "cpu_vision_attention",
     "cpu_graph",
     "cpu_parallel",
     "rank_report",
