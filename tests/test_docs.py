@@ -54,6 +54,8 @@ PROGRAM_PATTERNS = (
     (r"make bench-serving", "benchmarks/bench_serving.py"),
     (r"make bench-realtime-engine", "benchmarks/bench_realtime.py"),
     (r"make bench-fleet", "benchmarks/bench_fleet.py"),
+    (r"make bench-graphs", "benchmarks/bench_decode_graphs.py"),
+    (r"make soak-realtime", "benchmarks/soak_realtime.py"),
     (r"make eval|-m serving\.evaluate", "serving/evaluate.py"),
     (r"sglang\.launch_server|serving\.launch|make serve", SGLANG),
     (r"sglang\.bench_serving", "sglang.bench_serving"),
