@@ -61,4 +61,6 @@ def test_a_call_it_does_not_handle_reaches_stock():
     cu_seqlens = torch.tensor([0, 8], dtype=torch.int32)
     assert per_segment_on_cpu(stock, backend, q, k, v, 1, cu_seqlens=cu_seqlens, attention_mask=mask) == "stock"
     assert per_segment_on_cpu(stock, backend, q, k, v, 1) == "stock"
-    assert len(seen) == 2 and seen[0]["attention_mask"] is mask
+    not_flattened = VisionSdpaAttention(head_dim=HEAD_SIZE, num_heads=HEADS, num_kv_heads=HEADS, flatten_batch=False)
+    assert per_segment_on_cpu(stock, not_flattened, q, k, v, 1, cu_seqlens=cu_seqlens) == "stock"
+    assert len(seen) == 3 and seen[0]["attention_mask"] is mask

@@ -47,9 +47,11 @@ def per_segment_on_cpu(
     attention_mask: Optional[torch.Tensor] = None,
     **kwargs,
 ):
-    """AROUND hook on ``VisionSdpaAttention.forward``: a flattened batch of segments is attended per segment; any
-    other call (an explicit mask, single-precision softmax, no segments) goes to stock."""
-    if cu_seqlens is None or attention_mask is not None or backend.softmax_in_single_precision or bsz != 1:
+    """AROUND hook on ``VisionSdpaAttention.forward``: a flattened batch of segments (stock's block-diagonal mask) is
+    attended per segment; any other call (not flattened, an explicit mask, single-precision softmax, no segments)
+    goes to stock."""
+    flattened_segments = backend.flatten_batch and bsz == 1 and cu_seqlens is not None
+    if not flattened_segments or attention_mask is not None or backend.softmax_in_single_precision:
         return original(backend, q, k, v, bsz, cu_seqlens=cu_seqlens, attention_mask=attention_mask, **kwargs)
     lengths = cu_seqlens.diff().tolist()
     return segment_attention(backend, q, k, v, lengths)
@@ -71,7 +73,8 @@ PATCHES = (
             "found that SDPA at 42% of the scheduler's time."
         ),
         how=(
-            "when the call has `cu_seqlens`, no explicit mask, bsz 1 and the default softmax, the segments are "
+            "when the call is a flattened batch (MossVL's `flatten_batch=True`, bsz 1) with `cu_seqlens`, no explicit "
+            "mask and the default softmax, the segments are "
             "attended separately: equal lengths as one batched SDPA over `[segments, heads, length, head_size]`, "
             "unequal ones one call each; the mask is never built. On NPU the vision backend is `ascend_attn` (varlen "
             "by `cu_seqlens`) and CUDA runs stock, so neither is touched"
