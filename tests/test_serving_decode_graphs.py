@@ -18,12 +18,12 @@ stock's own log lines that the graph ran, at the batch sizes asked for.
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from support.serving import (
     CASES,
+    batch_chat_logprobs,
     chat_logprobs,
     load_reference,
     long_case,
@@ -36,7 +36,7 @@ from support.serving import (
 
 pytestmark = pytest.mark.timeout(2400)
 
-MAX_TOKENS = 24  # long enough for the requests sent together to decode in one batch
+MAX_TOKENS = 24
 SINGLE = ["image_data_url", "two_images", "video", "text_only", "three_turns"]
 MIXED = {f"mixed_{name}": CASES[name] for name in SINGLE} | {
     "mixed_long0": long_case(0),
@@ -48,7 +48,9 @@ BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-repor
 PAGE_128_CHUNKED = ["--page-size", "128", "--chunked-prefill-size", "256", "--enable-mixed-chunk"]
 PAGE_1_CHUNKED = ["--page-size", "1", "--chunked-prefill-size", "256"]
 GRAPHS = ["--enable-torch-compile", "--cuda-graph-bs-decode", "4", "8", "--decode-log-interval", "1"]
-GRAPH_ENV = {"MOSSVL_TEST_ERROR_ON_RECOMPILE": "1"}
+# Stock's switch that holds the scheduler's input while the tokenizer processes a batch request: its requests arrive
+# together, so their decode batch does not depend on how long each one's media took to process.
+GRAPH_ENV = {"MOSSVL_TEST_ERROR_ON_RECOMPILE": "1", "SGLANG_ENABLE_COLOCATED_BATCH_GEN": "1"}
 INDUCTOR_LOGPROB_TOLERANCE = 1e-4
 # Stock's decode log line (scheduler_components/metrics_reporter.py): the batch size and whether the graph ran.
 DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?cpu graph: (True|False)")
@@ -62,14 +64,11 @@ def reference(checkpoint):
     }
 
 
-def together(server, names: list[str]) -> dict:
-    """The named cases sent at once (they decode in one batch once all are prefilled)."""
-    client, model_name = openai_client(server)
-    with ThreadPoolExecutor(max_workers=len(names)) as pool:
-        futures = {
-            name: pool.submit(served_ids, client, model_name, ALL_CASES[name], max_tokens=MAX_TOKENS) for name in names
-        }
-        return {name: future.result() for name, future in futures.items()}
+def together(server, processor, names: list[str]) -> dict:
+    """The named cases as one batch request, released to the scheduler at once (``GRAPH_ENV``): once all are
+    prefilled they decode in one batch."""
+    answers = batch_chat_logprobs(server.base_url, processor, [ALL_CASES[name] for name in names], MAX_TOKENS)
+    return {name: {"prompt_ids": a["ids"], "completion_ids": a["output_ids"]} for name, a in zip(names, answers)}
 
 
 def one_by_one(server, names: list[str]) -> dict:
@@ -90,9 +89,9 @@ def graph_run(server, processor) -> dict:
     names = list(MIXED)
     return {
         "alone": one_by_one(server, SINGLE),
-        "three": together(server, names[:3]),
-        "five": together(server, names[3:8]),
-        "eight": together(server, names),
+        "three": together(server, processor, names[:3]),
+        "five": together(server, processor, names[3:8]),
+        "eight": together(server, processor, names),
         "logprobs": logprobs(server, processor),
         "steps": decode_steps(server),
     }
@@ -132,11 +131,11 @@ def test_graph_decode_in_a_mixed_batch_equals_each_request_alone(served, referen
 
 @pytest.mark.parametrize("server", GRAPH_SERVERS)
 def test_the_graph_ran_at_padded_and_exact_batch_sizes(served, server):
-    """Padded (bucket 4 for 1-3 rows, 8 for 5-7) and exact replays both ran, up to a batch of at least 5 (when all
-    eight decode at once depends on when their prefills end); no decode step of at most 8 rows ran eagerly."""
+    """Padded replays (a request alone and the three at once on bucket 4, the five on bucket 8) and the exact one (the
+    eight) all ran; no decode step of at most 8 rows ran eagerly."""
     steps = served[server]["steps"]
     graph_sizes = {size for size, graph in steps if graph}
-    assert graph_sizes - {4, 8} and graph_sizes & {4, 8} and max(graph_sizes) >= 5, steps
+    assert {1, 3, 5, 8} <= graph_sizes, steps
     assert all(graph for size, graph in steps if size <= 8), steps
 
 

@@ -290,18 +290,19 @@ def served_prompt_logprobs(base_url: str, text: str, image_urls=(), video_urls=(
     return served_token_logprobs(base_url, text, image_urls, video_urls)[0]
 
 
-def chat_logprobs(base_url: str, processor, messages: list[dict], max_new_tokens: int = 1) -> dict:
-    """Ids and logprobs of a chat's prompt text tokens and of ``max_new_tokens`` greedy tokens: native ``/generate``
-    on the chat template's text with its media placeholders and the media as data URLs (the path sglang accepts for
-    a video as well as for images)."""
+def native_chat_input(processor, messages: list[dict]) -> tuple[str, list[str], list[str]]:
+    """A chat as native ``/generate`` takes it: the chat template's text with its media placeholders, and the image
+    and video data URLs (the path sglang accepts for a video as well as for images)."""
     media = [part for m in to_openai(messages) if isinstance(m["content"], list) for part in m["content"]]
-    prompt, output, prompt_tokens = served_token_logprobs(
-        base_url,
+    return (
         processor.apply_chat_template(messages, add_generation_prompt=True),
-        image_urls=[p["image_url"]["url"] for p in media if p["type"] == "image_url"],
-        video_urls=[p["video_url"]["url"] for p in media if p["type"] == "video_url"],
-        max_new_tokens=max_new_tokens,
+        [p["image_url"]["url"] for p in media if p["type"] == "image_url"],
+        [p["video_url"]["url"] for p in media if p["type"] == "video_url"],
     )
+
+
+def token_logprobs_of(prompt: list, output: list, prompt_tokens: int) -> dict:
+    """sglang's ``[logprob, token id, ...]`` entries of one answer -> ids and logprobs of its prompt text and output."""
     return {
         "ids": [entry[1] for entry in prompt],
         "logprobs": [entry[0] for entry in prompt if entry[0] is not None],
@@ -309,6 +310,38 @@ def chat_logprobs(base_url: str, processor, messages: list[dict], max_new_tokens
         "output_logprobs": [entry[0] for entry in output],
         "prompt_tokens": prompt_tokens,
     }
+
+
+def chat_logprobs(base_url: str, processor, messages: list[dict], max_new_tokens: int = 1) -> dict:
+    """Ids and logprobs of a chat's prompt text tokens and of ``max_new_tokens`` greedy tokens: native ``/generate``."""
+    text, image_urls, video_urls = native_chat_input(processor, messages)
+    return token_logprobs_of(*served_token_logprobs(base_url, text, image_urls, video_urls, max_new_tokens))
+
+
+def batch_chat_logprobs(base_url: str, processor, chats: list[list[dict]], max_new_tokens: int) -> list[dict]:
+    """:func:`chat_logprobs` of several chats sent as one native batch request (a list of texts with per-text media).
+    On a server started with stock's ``SGLANG_ENABLE_COLOCATED_BATCH_GEN=1`` the tokenizer blocks the scheduler's
+    input while it processes the batch and releases all of it at once: the chats are scheduled together, whatever
+    each one's media processing costs."""
+    inputs = [native_chat_input(processor, messages) for messages in chats]
+    images, videos = [i for _, i, _ in inputs], [v for _, _, v in inputs]
+    body = {
+        "text": [text for text, _, _ in inputs],
+        # Per text a list, empty when it has none: stock's request decoder picks a media field's shape by its first
+        # entry, so a leading null would read the field as one flat list of media.
+        "image_data": images if any(images) else None,
+        "video_data": videos if any(videos) else None,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    response = requests.post(f"{base_url}/generate", json=body, timeout=600)
+    response.raise_for_status()
+    metas = [answer["meta_info"] for answer in response.json()]
+    return [
+        token_logprobs_of(meta["input_token_logprobs"], meta["output_token_logprobs"], meta["prompt_tokens"])
+        for meta in metas
+    ]
 
 
 def kv_load(server) -> dict:
