@@ -4,8 +4,11 @@ against the transformers reference session, on CPU, fp32 on both sides (``--dtyp
 Workload: N concurrent sessions (``--sessions``, default 1 2 4 8) at F frames per second (``--fps``, default 1 2)
 over a ``--seconds`` stream (default 8). Frames are pushed on a real-time clock: frame k at t0 + k/F (t0 common to
 all sessions of a run), each a fixed ``--size`` x ``--size`` noise image (default 128x128: 8x8 patches, 16 vision
-tokens), stamped k/F seconds; one prompt is pushed right after the third frame. Greedy, ``--max-new-tokens`` per
-turn. Before the measured runs one warm-up session (same shape, not reported) runs on each side.
+tokens), stamped k/F seconds; one prompt is pushed right after the third frame (engine: the client sends it once
+the frame's ``input.frame.accepted`` came back, as the protocol's clients do; reference: ``push_prompt`` right after
+``push_frame``), or with ``--prompt-with-frame`` carried in the third frame (engine: ``input.frame`` with
+``prompt``; reference: ``push_prompt_frame``). Greedy, ``--max-new-tokens`` per turn. Before the measured runs one
+warm-up session (same shape, not reported) runs on each side.
 
 Checkpoint: ``--preset`` (default ``bench``) as a MOSS-VL-Realtime checkpoint. A served turn ends only on
 ``<|silence|>`` and a turn that reaches its token limit ends the whole served session (``response.done``
@@ -19,7 +22,8 @@ Definitions (all times ``time.perf_counter()`` in this process):
     engine step holding the frame ran its extend and sampled its first token). Reference: the ``push_frame`` call
     -> the end of the stream forward that carried the frame (the stream's ``append`` timed per call; the call
     patchifies the frame in the caller's thread, as the engine does in its HTTP process after ``accepted``).
-  * TTFT: prompt accepted (engine: ``input.prompt.accepted``; reference: the ``push_prompt`` call) -> the first
+  * TTFT: prompt accepted (engine: ``input.prompt.accepted``, or the carrying frame's ``input.frame.accepted``;
+    reference: the ``push_prompt`` or ``push_prompt_frame`` call) -> the first
     text piece of the prompt's turn or later (engine: the first ``response.text.delta`` after
     ``input.prompt.processed``; reference: the first non-control output piece after the prompt's
     ``<|round_start|>``). "-" when the model said nothing but ``<|silence|>`` before the stream ended.
@@ -47,6 +51,7 @@ in and a warning says so), then ``prompt_first_token_ms=`` / ``runner_prompt_fir
 and the same at 2 fps (``..._2fps=``), nan where not measured.
 
 Run (CPU): .venv/bin/python benchmarks/bench_realtime.py [--quick] [--sessions 1 2 4 8] [--fps 1 2] [--seconds 8]
+    [--prompt-with-frame] [--trace]
 """
 
 from __future__ import annotations
@@ -200,6 +205,10 @@ def reference_run(model, processor, args, fps: float, frames: int) -> Run:
         for k, image in enumerate(images):
             time.sleep(max(0.0, t0 + k / fps - time.perf_counter()))
             pushed.append(time.perf_counter())
+            if k == PROMPT_AFTER and args.prompt_with_frame:
+                prompted = pushed[-1]
+                session.push_prompt_frame(PROMPT, image, k / fps)
+                continue
             session.push_frame(image, k / fps)
             if k == PROMPT_AFTER:
                 prompted = time.perf_counter()
@@ -264,9 +273,12 @@ async def feed(client: RealtimeClient, args, fps: float, frames: int, t0: float)
     try:
         for k in range(frames):
             await asyncio.sleep(max(0.0, t0 + k / fps - time.perf_counter()))
-            last = await client.frame(noise_frame(k, args.size), k / fps)
+            carried = PROMPT if k == PROMPT_AFTER and args.prompt_with_frame else None
+            last = await client.frame(noise_frame(k, args.size), k / fps, prompt=carried)
             result["frames"].append(last)
-            if k == PROMPT_AFTER:
+            if carried:
+                result["prompt"] = last
+            elif k == PROMPT_AFTER:
                 last = result["prompt"] = await client.prompt(PROMPT)
         await client.settle(last, timeout=DRAIN_S)
     except (RuntimeError, asyncio.TimeoutError) as error:
@@ -308,8 +320,9 @@ def engine_run(server: SglangServer, args, count: int, fps: float, frames: int) 
                 lags.append(client.events[processed].at - (t0 + k / fps))
         ttft = first_token = None
         if result["prompt"] is not None:
-            accepted = received(client, "input.prompt.accepted", result["prompt"])
-            processed = received(client, "input.prompt.processed", result["prompt"])
+            kind = "input.frame" if args.prompt_with_frame else "input.prompt"
+            accepted = received(client, f"{kind}.accepted", result["prompt"])
+            processed = received(client, f"{kind}.processed", result["prompt"])
             if processed is not None:
                 text = next((r for r in client.events[processed:] if r.event["type"] == "response.text.delta"), None)
                 ttft = text.at - client.events[accepted].at if text else None
@@ -484,6 +497,12 @@ def main(argv=None) -> int:
         type=int,
         default=64,
         help="input_queue_capacity of each served session (default 64: the server never holds a push back)",
+    )
+    parser.add_argument(
+        "--prompt-with-frame",
+        action="store_true",
+        help="carry the prompt in the third frame (input.frame with prompt; push_prompt_frame) instead of sending it "
+        "after that frame was accepted",
     )
     parser.add_argument(
         "--trace", action="store_true", help="log each run's events from the prompt to its first text (TTFT trace)"
