@@ -267,22 +267,33 @@ def cached_tokens(usage) -> int:
     return (details.cached_tokens or 0) if details is not None else 0
 
 
-def served_token_logprobs(base_url: str, text: str, image_urls=(), video_urls=(), max_new_tokens: int = 1):
-    """sglang's ``(input_token_logprobs, output_token_logprobs)`` (``[logprob, token id, ...]`` per token, the first
-    prompt logprob None) from native ``/generate``: ``text`` with its media placeholders, the media as URLs, greedy,
-    never stopping at EOS."""
+def greedy_with_logprobs(base_url: str, text, image_data, video_data, max_new_tokens: int):
+    """Native ``/generate``, greedy, never stopping at EOS, with every prompt and output token's logprob: ``text`` one
+    string (-> its answer) or a list (a batch request -> a list of answers), media as stock's request takes it."""
     body = {
         "text": text,
-        "image_data": list(image_urls) or None,
-        "video_data": list(video_urls) or None,
+        "image_data": image_data,
+        "video_data": video_data,
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
         "return_logprob": True,
         "logprob_start_len": 0,
     }
     response = requests.post(f"{base_url}/generate", json=body, timeout=600)
     response.raise_for_status()
-    meta = response.json()["meta_info"]
+    return response.json()
+
+
+def logprob_fields(answer: dict) -> tuple[list, list, int]:
+    """One answer's ``(input_token_logprobs, output_token_logprobs, prompt_tokens)``."""
+    meta = answer["meta_info"]
     return meta["input_token_logprobs"], meta["output_token_logprobs"], meta["prompt_tokens"]
+
+
+def served_token_logprobs(base_url: str, text: str, image_urls=(), video_urls=(), max_new_tokens: int = 1):
+    """sglang's ``(input_token_logprobs, output_token_logprobs, prompt_tokens)`` (``[logprob, token id, ...]`` per
+    token, the first prompt logprob None) for ``text`` with its media placeholders, the media as URLs."""
+    answer = greedy_with_logprobs(base_url, text, list(image_urls) or None, list(video_urls) or None, max_new_tokens)
+    return logprob_fields(answer)
 
 
 def served_prompt_logprobs(base_url: str, text: str, image_urls=(), video_urls=()) -> list[list]:
@@ -325,23 +336,16 @@ def batch_chat_logprobs(base_url: str, processor, chats: list[list[dict]], max_n
     each one's media processing costs."""
     inputs = [native_chat_input(processor, messages) for messages in chats]
     images, videos = [i for _, i, _ in inputs], [v for _, _, v in inputs]
-    body = {
-        "text": [text for text, _, _ in inputs],
-        # Per text a list, empty when it has none: stock's request decoder picks a media field's shape by its first
-        # entry, so a leading null would read the field as one flat list of media.
-        "image_data": images if any(images) else None,
-        "video_data": videos if any(videos) else None,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
-        "return_logprob": True,
-        "logprob_start_len": 0,
-    }
-    response = requests.post(f"{base_url}/generate", json=body, timeout=600)
-    response.raise_for_status()
-    metas = [answer["meta_info"] for answer in response.json()]
-    return [
-        token_logprobs_of(meta["input_token_logprobs"], meta["output_token_logprobs"], meta["prompt_tokens"])
-        for meta in metas
-    ]
+    # Per text a list, empty when it has none: stock's request decoder picks a media field's shape by its first
+    # entry, so a leading null would read the field as one flat list of media.
+    answers = greedy_with_logprobs(
+        base_url,
+        [text for text, _, _ in inputs],
+        images if any(images) else None,
+        videos if any(videos) else None,
+        max_new_tokens,
+    )
+    return [token_logprobs_of(*logprob_fields(answer)) for answer in answers]
 
 
 def kv_load(server) -> dict:
