@@ -140,7 +140,13 @@ def test_the_scheduler_hook_ends_a_step_where_the_interrupt_finds_it():
     from mossvl_ascend.realtime import sessions as realtime_sessions
 
     def step(session, n, outputs):
-        return SimpleNamespace(rid=step_rid(session, n), output_ids=outputs, finished=lambda: False, to_finish=None)
+        return SimpleNamespace(
+            rid=step_rid(session, n),
+            output_ids=outputs,
+            finished=lambda: False,
+            to_finish=None,
+            sampling_params=SimpleNamespace(max_new_tokens=LIMIT),
+        )
 
     running, other, prefilled, queued = step("s1", 3, [5, 6]), step("s2", 1, [5]), step("s3", 1, [7]), step("s5", 2, [])
     running_batch, last_batch = SimpleNamespace(reqs=[running, other]), SimpleNamespace(reqs=[prefilled])
@@ -160,13 +166,59 @@ def test_the_scheduler_hook_ends_a_step_where_the_interrupt_finds_it():
                 lambda s, r: stock.append(r), scheduler, AbortReq(rid=req.rid, abort_message=INTERRUPT_MESSAGE)
             )
             assert isinstance(req.to_finish, FINISH_LENGTH) and req.to_finish.length == len(req.output_ids) + 1
-        assert other.to_finish is None and not stock
+            assert req.sampling_params.max_new_tokens == len(req.output_ids) + 1
+        assert other.to_finish is None and other.sampling_params.max_new_tokens == LIMIT and not stock
         for rid in (step_rid("s4", 2), step_rid("elsewhere", 2)):
             interrupt_step(lambda s, r: stock.append(r), scheduler, AbortReq(rid=rid, abort_message=INTERRUPT_MESSAGE))
         assert owned.early_interrupts == {"s4": step_rid("s4", 2)} and not stock
         plain = AbortReq(rid=running.rid)
         interrupt_step(lambda s, r: stock.append(r), scheduler, plain)
     assert stock == [plain], "an ordinary abort is stock's"
+
+
+def test_an_interrupted_step_in_flight_gets_no_further_decode_from_stocks_overlap_loop():
+    """Stock's overlap loop builds the next decode batch before it processes the in-flight result, and leaves out
+    only the requests that result finishes by their token limit (``Scheduler._reqs_finishing_inflight``, stock's
+    code run here): a step interrupted while its extend or decode is in flight is left out (no decode forward whose
+    token would be dropped), an uninterrupted step of the same batch is not."""
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from mossvl_ascend.realtime import sessions as realtime_sessions
+
+    class Step:  # hashable by identity, as stock's Req (the loop puts the in-flight requests in a set)
+        next_output_finishes_by_length = Req.next_output_finishes_by_length
+
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    def step(session, outputs):
+        return Step(
+            rid=step_rid(session, 1),
+            output_ids=outputs,
+            finished=lambda: False,
+            to_finish=None,
+            beam_group=None,
+            sampling_params=SimpleNamespace(max_new_tokens=LIMIT),
+        )
+
+    extended, decoding, going_on = step("s1", []), step("s2", [4, 5]), step("s3", [6])
+    in_flight = SimpleNamespace(reqs=[extended, decoding, going_on])
+    scheduler = SimpleNamespace(
+        waiting_queue=[],
+        chunked_req=None,
+        collect_inflight_reqs=lambda: list(in_flight.reqs),
+        enable_skip_finishing_decode=True,
+        result_queue=[(in_flight, None)],
+    )
+    assert Scheduler._reqs_finishing_inflight(scheduler, in_flight) == [], "nothing is finishing before the interrupt"
+    with pytest.MonkeyPatch.context() as patch:
+        sessions = realtime_sessions.RealtimeSessions()
+        patch.setattr("mossvl_ascend.patches.realtime_sessions.SCHEDULER_SESSIONS", sessions)
+        for req in (extended, decoding):
+            interrupt_step(lambda s, r: None, scheduler, AbortReq(rid=req.rid, abort_message=INTERRUPT_MESSAGE))
+    assert Scheduler._reqs_finishing_inflight(scheduler, in_flight) == [extended, decoding]
 
 
 def test_a_prompt_longer_than_the_context_is_refused_and_the_session_goes_on(processor):

@@ -70,6 +70,12 @@ def count_kept_rows_as_allocatable(original: Callable, scheduler, *args: Any, nu
     return original(scheduler, *args, num_held_rows=held, **kwargs)
 
 
+def step_extend_results_first(scheduler, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``Scheduler.get_next_batch_to_run``: under overlap scheduling a realtime step's extend result is
+    processed before the next batch is built."""
+    SCHEDULER_SESSIONS.process_step_extends_first(scheduler)
+
+
 def interrupt_step(original: Callable, scheduler, recv_req, *args: Any, **kwargs: Any):
     """AROUND ``Scheduler.abort_request``: an abort carrying the interrupt marker ends a realtime step now as a
     normal finish (its KV stays with the session); any other abort is stock's."""
@@ -173,12 +179,32 @@ PATCHES = (
             "once); an abort would free the session's KV, which cannot be rebuilt without the pixels"
         ),
         how=(
-            "an AbortReq for a realtime step rid whose `abort_message` is the interrupt marker sets the step's "
-            "`to_finish` to a length finish (queued, chunked or in flight; one that the interrupt overtook, when it "
-            "arrives): the forward under way gives its last token, a later one's result is dropped as stock drops a "
-            "finished request's under overlap scheduling. Other aborts go to stock"
+            "an AbortReq for a realtime step rid whose `abort_message` is the interrupt marker lowers the step's "
+            "token limit to the token under way and sets its `to_finish` to a length finish (queued, chunked or in "
+            "flight; one that the interrupt overtook, when it arrives): the forward under way gives its last token, "
+            "and stock's overlap loop leaves a request finishing by length out of the next decode batch. Other "
+            "aborts go to stock"
         ),
         upstream="not in sglang",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
+    Patch(
+        title="MOSS-VL-Realtime: a step's extend result is processed before the next batch is built",
+        target="sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+        kind=HookType.BEFORE,
+        hook=step_extend_results_first,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "stock's overlap loop launches the next batch before it reads the last one's result: a realtime step's "
+            "first token (how fast the model reacts to a frame or a prompt) went out one decode forward later, and "
+            "a step ending at that token (silence, an interrupt) paid that forward for a token that was dropped"
+        ),
+        how=(
+            "under overlap scheduling without per-batch rank sync, a pending extend result holding a realtime step "
+            "is processed before the next batch is built and `last_batch` cleared (the loop then has nothing "
+            "pending, as after stock's consecutive-prefill rule); other batches keep stock's order"
+        ),
+        upstream="not in sglang (stock does the same for two consecutive prefill batches)",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
     ),
     Patch(

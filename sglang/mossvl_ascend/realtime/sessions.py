@@ -275,6 +275,28 @@ class RealtimeSessions:
         chunked = [scheduler.chunked_req] if getattr(scheduler, "chunked_req", None) is not None else []
         return [*scheduler.waiting_queue, *chunked, *scheduler.collect_inflight_reqs()]
 
+    # -- the overlap loop --
+
+    @staticmethod
+    def process_step_extends_first(scheduler) -> None:
+        """Under overlap scheduling, before the next batch is built: a pending extend result that holds a realtime
+        step is processed now, not after the next forward. Stock's overlap loop builds and launches the next batch
+        (the step's first decode) before it reads the extend's result, so the step's first token went out one
+        decode later, and a step that ends at that token (``<|silence|>``, an interrupt, a turn's limit) still paid
+        that decode, its token dropped. Processed first, the step's first token goes out at once and a finished
+        step is not in the next batch; the loop then finds nothing pending (``last_batch`` cleared), as stock's
+        own consecutive-prefill rule leaves it. Other batches keep stock's order; so do loops that synchronise
+        ranks per batch (DP attention), where every rank must take the same path."""
+        pending = getattr(scheduler, "result_queue", None)
+        if not pending or not scheduler.enable_skip_finishing_decode or scheduler.require_mlp_sync:
+            return
+        batch, result = pending[0]
+        if not batch.forward_mode.is_extend() or not any(parse_step_rid(req.rid) for req in batch.reqs):
+            return
+        pending.popleft()
+        scheduler.process_batch_result(batch, result)
+        scheduler.last_batch = None
+
     # -- stock's streaming-session seams --
 
     def try_match_prefix(self, cache, req):
@@ -486,11 +508,16 @@ class RealtimeSessions:
 
 
 def _finish_at_the_next_result(req) -> None:
-    """Stock's abort mechanism (``to_finish``, taken at the request's next processed result) with a length finish:
-    the step ends as a finished one and its session keeps the KV."""
+    """The step ends at its next processed result, as a finished one (its session keeps the KV): its token limit
+    becomes that result's token, and stock's abort mechanism (``to_finish``) makes the finish a length one. The
+    lowered limit is what stock's overlap loop reads to leave a request whose in-flight result is its last out of
+    the next decode batch (``Scheduler._reqs_finishing_inflight``); ``to_finish`` alone is not, and the step then
+    paid one more decode forward whose token was dropped."""
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 
-    req.to_finish = FINISH_LENGTH(length=len(req.output_ids) + 1)
+    last = len(req.output_ids) + 1
+    req.sampling_params.max_new_tokens = min(req.sampling_params.max_new_tokens, last)
+    req.to_finish = FINISH_LENGTH(length=last)
     logger.info("realtime step %s interrupted after %d tokens", req.rid, len(req.output_ids))
 
 
