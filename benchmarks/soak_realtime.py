@@ -21,10 +21,10 @@ Definitions: aborted = sessions that ended before the soak did (an error marked 
 ``response.done`` or a closed socket; the deliberate drop is not counted); errors = ``error`` events received by any
 session plus the server log's ``Traceback`` / `` ERROR `` lines; rss_slope_mib_per_min = the least-squares slope of RSS
 over the samples after the warm-up (the first ``--warm-up-s`` seconds, default 60, or the first fifth of a shorter
-run); p95_drift = the frame p95 over the last span / over the first span after the warm-up (span: 5 minutes, or a
-third of what is left of a shorter run); encoder_kv_bound = 2 x (window x fps + 1) frames of vision tokens (a window
-of frames, and as many again drained by one step behind a backlog, held until that step ends; a frame's vision
-tokens as the probe's usage counts them).
+run; the line before the last gives the same slope for each server process); p95_drift = the frame p95 over the last
+span / over the first span after the warm-up (span: 5 minutes, or a third of what is left of a shorter run);
+encoder_kv_bound = 2 x (window x fps + 1) frames of vision tokens (a window of frames, and as many again drained by
+one step behind a backlog, held until that step ends; a frame's vision tokens as the probe's usage counts them).
 
 Last line: ``RESULT soak_realtime minutes= sessions= aborted= errors= rss_slope_mib_per_min= kv_slope_per_min=
 encoder_kv_max= encoder_kv_bound= p95_first_ms= p95_last_ms= p95_drift= answers_equal=K/N``.
@@ -76,6 +76,7 @@ class Sample:
     encoder_kv_max: int
     frames: int
     p95_ms: float
+    rss_by_process: dict[str, float] = field(default_factory=dict)  # MiB, by process name
 
 
 @dataclass
@@ -195,15 +196,17 @@ async def drop_and_reconnect(url: str, args, index: int, soak: Soak, start: floa
     await stream(args, index, replacement, time.perf_counter(), stop)
 
 
-def server_rss_mib(server: SglangServer) -> float:
+def server_rss_mib(server: SglangServer) -> dict[str, float]:
+    """RSS of each of the server's processes (the launcher, then its children by process name), MiB."""
     root = psutil.Process(server.process.pid)
-    total = 0
+    by_process = {}
     for process in [root, *root.children(recursive=True)]:
         try:
-            total += process.memory_info().rss
+            name = "launcher" if process is root else process.name()
+            by_process[name] = by_process.get(name, 0.0) + process.memory_info().rss / 2**20
         except psutil.NoSuchProcess:
             pass
-    return total / 2**20
+    return by_process
 
 
 def kv_tokens(server: SglangServer) -> int:
@@ -240,9 +243,18 @@ async def sample_every(server: SglangServer, args, soak: Soak, start: float, sto
         await asyncio.sleep(min(args.sample_every, stop - time.perf_counter()))
         now = time.perf_counter()
         latencies = frame_latencies(soak.clients, previous, now)
-        rss, kv = await asyncio.to_thread(server_rss_mib, server), await asyncio.to_thread(kv_tokens, server)
+        by_process, kv = await asyncio.to_thread(server_rss_mib, server), await asyncio.to_thread(kv_tokens, server)
+        rss = sum(by_process.values())
         soak.samples.append(
-            Sample(now - start, rss, kv, encoder_kv_max(soak.clients), len(latencies), 1e3 * percentile(latencies, 95))
+            Sample(
+                now - start,
+                rss,
+                kv,
+                encoder_kv_max(soak.clients),
+                len(latencies),
+                1e3 * percentile(latencies, 95),
+                by_process,
+            )
         )
         previous = now
 
@@ -346,6 +358,9 @@ def print_report(soak: Soak, args, checkpoint: Path, reference: str, probes: lis
     p95_first, p95_last = 1e3 * percentile(first, 95), 1e3 * percentile(last, 95)
     equal = sum(answer == reference for answer in answers)
     print(f"probe answers: reference {reference!r}; served {answers!r}")
+    names = sorted({name for s in steady for name in s.rss_by_process})
+    slopes = {name: slope_per_min([(s.at, s.rss_by_process.get(name, 0.0)) for s in steady]) for name in names}
+    print("RSS slope by process after the warm-up: " + ", ".join(f"{n} {v:.2f} MiB/min" for n, v in slopes.items()))
     print(
         f"RESULT soak_realtime minutes={args.minutes:g} sessions={args.sessions} aborted={len(soak.failed)} "
         f"errors={errors} rss_slope_mib_per_min={slope_per_min([(s.at, s.rss_mib) for s in steady]):.2f} "

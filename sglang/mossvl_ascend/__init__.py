@@ -9,13 +9,13 @@ The package is the machinery (:mod:`~mossvl_ascend.registry`, :mod:`~mossvl_asce
 per patched sglang area. Each patch module declares its changes to sglang as data (``PATCHES``, and ``VERIFIED``
 for fixes 0.5.23 no longer needs; see :mod:`mossvl_ascend.registry`). :func:`register` applies the patches for this
 host's platform (Ascend NPU or CPU; on CUDA and other GPUs nothing, so sglang runs exactly as stock) and logs one
-line per patch.
+line per patch; on those hosts it also pins glibc's malloc thresholds (:mod:`~mossvl_ascend.host_memory`).
 The human catalog, ``sglang/PATCHES.md``, is generated from the same records (:mod:`mossvl_ascend.catalog`).
 """
 
 import logging
 
-from mossvl_ascend.patch_record import PATCH_MODULES, PLUGIN_NAME
+from mossvl_ascend.patch_record import ON_NPU_AND_CPU, PATCH_MODULES, PLUGIN_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +24,11 @@ __all__ = ["PATCH_MODULES", "PLUGIN_NAME", "register"]
 
 def register() -> None:
     """Apply this platform's patches (called by sglang's plugin loader in every process)."""
+    from mossvl_ascend.host_memory import pin_malloc_thresholds
     from mossvl_ascend.registry import apply_patches, current_platform
 
     platform = current_platform()
     applied = apply_patches(platform)
+    if platform in ON_NPU_AND_CPU:  # a GPU host runs as stock
+        pin_malloc_thresholds()
     logger.info("%s: %d patches applied on platform %s", PLUGIN_NAME, len(applied), platform)
