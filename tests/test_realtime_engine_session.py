@@ -1,14 +1,12 @@
-"""The engine session's turn logic (`mossvl_ascend.realtime.engine.ServedSession`) and the scheduler's interrupt hook,
-each against a labelled stand-in of the other side, with timed turns (the tiny checkpoint's turns end on <|silence|>
-within a few tokens; `test_serving_realtime.py` barges into a served turn in benchmark mode instead).
+"""The engine session's turn logic (`mossvl_ascend.realtime.engine.ServedSession`) and the scheduler's interrupt
+hook, each against a labelled stand-in of the other side, with timed turns (the tiny checkpoint's turns end on
+<|silence|> within a few tokens; `test_serving_realtime.py` barges into a served turn in benchmark mode instead).
 
 STAND-IN: `StreamingManager` plays sglang's tokenizer manager: it streams a scripted token list for each step
 request, one token per `TOKEN_S`, and ends a step after the next token once it receives the interrupt abort (what
-the scheduler hook makes the real engine do); a prompt's interrupt that reaches a step before its first token
-withdraws it (it ends with the withdrawal reason and no token, as the hook has stock abort a queued step). Oracle:
-the reference session's rules (module docstring of `moss_vl_reference.realtime_moss_vl`): input arriving mid-turn is
-drained after the next token; a prompt closes the turn (a new turn with a fresh token allowance), a frame does not
-(the allowance continues).
+the scheduler hook makes the real engine do). Oracle: the reference session's rules (module docstring of
+`moss_vl_reference.realtime_moss_vl`): input arriving mid-turn is drained after the next token; a prompt closes
+the turn (a new turn with a fresh token allowance), a frame does not (the allowance continues).
 """
 
 import asyncio
@@ -19,13 +17,7 @@ from transformers import AutoProcessor
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
 from mossvl_ascend.patches.realtime_sessions import interrupt_step
-from mossvl_ascend.realtime.wire import (
-    INTERRUPT_MESSAGE,
-    PROMPT_INTERRUPT_MESSAGE,
-    WITHDRAWN_MESSAGE,
-    WITHDRAWN_REASON,
-    step_rid,
-)
+from mossvl_ascend.realtime.wire import INTERRUPT_MESSAGE, step_rid
 from support.realtime import noise_image, splice_string
 
 TOKEN_S = 0.02
@@ -49,13 +41,10 @@ class StreamingManager:
         self.context_len = 4096
         self.server_args = SimpleNamespace(max_running_requests=None)
         self.turns, self.requests, self.interrupts = list(turns), [], set()
-        self.withdrawn, self.started = set(), set()
         self.outputs: list[list[int]] = []  # the tokens each step request yielded
 
     def _dispatch_to_scheduler(self, request):
-        assert request.abort_message in (INTERRUPT_MESSAGE, PROMPT_INTERRUPT_MESSAGE)
-        if request.abort_message == PROMPT_INTERRUPT_MESSAGE and request.rid not in self.started:
-            self.withdrawn.add(request.rid)
+        assert request.abort_message == INTERRUPT_MESSAGE
         self.interrupts.add(request.rid)
 
     def abort_request(self, rid):
@@ -68,11 +57,6 @@ class StreamingManager:
         ids, stop_after = [], None
         for token in tokens[:limit]:
             await asyncio.sleep(TOKEN_S)
-            if request.rid in self.withdrawn:
-                self.turns.insert(0, tokens)  # its script goes to the step that runs in its place
-                yield {"output_ids": [], "meta_info": {"finish_reason": dict(WITHDRAWN_REASON)}}
-                return
-            self.started.add(request.rid)
             ids.append(token)
             if stop_after is None and request.rid in self.interrupts:
                 stop_after = len(ids)  # the token generated after the interrupt arrived is the last
@@ -186,7 +170,7 @@ def test_the_scheduler_hook_ends_a_step_where_the_interrupt_finds_it():
         assert other.to_finish is None and other.sampling_params.max_new_tokens == LIMIT and not stock
         for rid in (step_rid("s4", 2), step_rid("elsewhere", 2)):
             interrupt_step(lambda s, r: stock.append(r), scheduler, AbortReq(rid=rid, abort_message=INTERRUPT_MESSAGE))
-        assert owned.early_interrupts == {"s4": (step_rid("s4", 2), False)} and not stock
+        assert owned.early_interrupts == {"s4": step_rid("s4", 2)} and not stock
         plain = AbortReq(rid=running.rid)
         interrupt_step(lambda s, r: stock.append(r), scheduler, plain)
     assert stock == [plain], "an ordinary abort is stock's"
@@ -303,130 +287,3 @@ def test_a_prompt_while_parked_announces_its_turn(processor):
     ]
     texts = [o.turn_id for o in outputs if o.kind == "text"]
     assert texts == sorted(texts) and set(texts) == {1, 2}
-
-
-def test_a_prompt_right_after_a_frame_withdraws_the_frames_unstarted_step_and_both_run_as_one(processor):
-    """A prompt that arrives while the step of a frame has not started is sent with the prompt's marker; the step is
-    withdrawn unrun and the frame goes out again with the prompt, drained as the reference loop drains inputs that
-    arrived together (the prompt's turn first, then the frame): one step, whose extend answers both inputs. The
-    frame is announced processed once, after that step's first token; a prompt that arrives once the step started
-    ends it as any interrupt does (the next test)."""
-    from mossvl_ascend.realtime.engine import ServedRealtimeEngine, frame_markup, prompt_splice
-    from mossvl_ascend.realtime.session_api import Frame, SessionConfig
-
-    tokenizer = processor.tokenizer
-    silence = tokenizer.convert_tokens_to_ids("<|silence|>")
-
-    async def run():
-        manager = StreamingManager(processor, [[silence], [silence], [silence]])
-        session = await ServedRealtimeEngine(lambda: manager).open(SessionConfig(max_new_tokens=LIMIT))
-        kinds = []
-        while len(kinds) < 2:  # ready, then the initial turn's silence: parked
-            kinds.append((await asyncio.wait_for(session.outputs.get(), 30)).kind)
-        session.push_frame(Frame(noise_image(1), 2.0, seq_no=0))
-        while len(manager.requests) < 2:
-            await asyncio.sleep(0.001)
-        session.push_prompt("What now?", seq_no=1)
-        while not any(k[0] == "silence" for k in kinds[2:]):
-            output = await asyncio.wait_for(session.outputs.get(), 30)
-            kinds.append((output.kind, output.seq_no))
-        await session.close()
-        return manager, kinds
-
-    manager, kinds = asyncio.run(run())
-    frame_step, merged = manager.requests[1:3]
-    assert frame_step.rid in manager.withdrawn
-    expected = tokenizer(prompt_splice("What now?") + "<|silence|>" + frame_markup(2.0), add_special_tokens=False)
-    assert list(merged.input_ids) == [silence] + expected["input_ids"], "the prompt's turn, then the frame"
-    steps = [request for request in manager.requests if not request.rid.endswith(":close")]
-    assert merged.image_data is not None and len(steps) == 3, "the initial step, the withdrawn one, the merged one"
-    processed = [k for k in kinds[2:] if k[0] == "processed"]
-    assert processed == [("processed", 0), ("processed", 1)], "each input announced once, by the step that ran it"
-
-
-def test_a_prompt_after_the_frames_step_started_interrupts_it(processor):
-    """The same prompt once the frame's step has produced its first token: not withdrawn; the step ends after its
-    next token and the prompt runs in a step of its own."""
-    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
-    from mossvl_ascend.realtime.session_api import Frame, SessionConfig
-
-    tokenizer = processor.tokenizer
-    silence = tokenizer.convert_tokens_to_ids("<|silence|>")
-    words = tokenizer("one two three four five six", add_special_tokens=False)["input_ids"]
-
-    async def run():
-        manager = StreamingManager(processor, [[silence], words + [silence], [silence]])
-        session = await ServedRealtimeEngine(lambda: manager).open(SessionConfig(max_new_tokens=LIMIT))
-        kinds = []
-        while len(kinds) < 2:
-            kinds.append((await asyncio.wait_for(session.outputs.get(), 30)).kind)
-        session.push_frame(Frame(noise_image(1), 2.0, seq_no=0))
-        while not any(k == "text" for k in kinds[2:]):
-            kinds.append((await asyncio.wait_for(session.outputs.get(), 30)).kind)
-        session.push_prompt("What now?", seq_no=1)
-        while kinds.count("silence") < 2:
-            kinds.append((await asyncio.wait_for(session.outputs.get(), 30)).kind)
-        await session.close()
-        return manager
-
-    manager = asyncio.run(run())
-    frame_step, prompt_step = manager.requests[1:3]
-    assert frame_step.rid in manager.interrupts and not manager.withdrawn
-    assert frame_step.image_data is not None and prompt_step.image_data is None
-    assert len(manager.outputs[1]) < len(words), "the frame's turn ended early, at the interrupt"
-
-
-def test_the_scheduler_hooks_withdraw_an_unstarted_step_for_a_prompt_only():
-    """A prompt's interrupt: a queued step whose extend has not started is withdrawn (stock's abort takes it out of
-    the queue with the withdrawal reason; its session holds no step), a started one is interrupted (length finish);
-    one that the interrupt overtook is not queued when it arrives (stock's queued-abort output). A plain interrupt
-    never withdraws."""
-    from sglang.srt.managers.io_struct import AbortReq
-
-    from mossvl_ascend.patches.realtime_sessions import prepare_step_request
-    from mossvl_ascend.realtime import sessions as realtime_sessions
-
-    def step(session, n):
-        return SimpleNamespace(
-            rid=step_rid(session, n),
-            output_ids=[],
-            finished=lambda: False,
-            to_finish=None,
-            sampling_params=SimpleNamespace(max_new_tokens=LIMIT),
-        )
-
-    owned = realtime_sessions.RealtimeSessions()
-    queued, started, plain = step("q", 2), step("s", 2), step("p", 2)
-    for req, prepared in ((queued, False), (started, True), (plain, False)):
-        stream = owned.streams.setdefault(req.rid.split(":")[1], realtime_sessions.Stream(req.rid.split(":")[1]))
-        stream.step = realtime_sessions.RunningStep(req.rid, plan=None, encoder_rows=0, vision_tokens=0)
-        stream.step.prepared = prepared
-    owned.streams["late"] = realtime_sessions.Stream("late")
-    sent, stock = [], []
-    scheduler = SimpleNamespace(
-        waiting_queue=[queued, started, plain],
-        chunked_req=None,
-        collect_inflight_reqs=lambda: [],
-        _release_aborted_request=lambda req: None,
-        send_abort_output=lambda abort, req: sent.append((abort.rid, abort.finished_reason)),
-    )
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("mossvl_ascend.patches.realtime_sessions.SCHEDULER_SESSIONS", owned)
-        for req, marker in (
-            (queued, PROMPT_INTERRUPT_MESSAGE),
-            (started, PROMPT_INTERRUPT_MESSAGE),
-            (plain, INTERRUPT_MESSAGE),
-        ):
-            interrupt_step(lambda s, r: stock.append(r), scheduler, AbortReq(rid=req.rid, abort_message=marker))
-        late = step("late", 4)
-        interrupt_step(
-            lambda s, r: stock.append(r), scheduler, AbortReq(rid=late.rid, abort_message=PROMPT_INTERRUPT_MESSAGE)
-        )
-        queued_after = []
-        assert prepare_step_request(lambda s, r: queued_after.append(r), scheduler, late) is None
-    assert [(r.rid, r.finished_reason) for r in stock] == [(queued.rid, WITHDRAWN_REASON)]
-    assert owned.streams["q"].step is None and queued.to_finish is None
-    assert started.to_finish is not None and plain.to_finish is not None, "started or plain: interrupted"
-    assert owned.streams["s"].step is not None and owned.streams["p"].step is not None
-    assert sent == [(late.rid, WITHDRAWN_REASON)] and not queued_after, "overtaken: never queued"
-    assert WITHDRAWN_REASON["message"] == WITHDRAWN_MESSAGE

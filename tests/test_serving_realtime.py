@@ -198,9 +198,7 @@ def large_noise_image(seed: int) -> Image.Image:
 async def barge_in_session(engine):
     """Turns run to their allowance (benchmark mode: `<|silence|>` does not end them), so input lands mid-turn: a
     prompt pushed as soon as a frame's step is sent, before it produced any token (its extend under way),
-    interrupts it (barge-in); a frame pushed mid-turn later continues the turn. The frame carries a first prompt,
-    so its step is not one of frames alone, which a prompt withdraws when its extend has not started (that path:
-    `test_realtime_engine_session.py`); this one ends after its extend's token."""
+    interrupts it (barge-in); a frame pushed mid-turn later continues the turn."""
     from mossvl_ascend.realtime.engine import ServedRealtimeEngine
     from mossvl_ascend.realtime.session_api import Frame, SessionConfig
     from mossvl_ascend.realtime.wire import step_rid
@@ -221,7 +219,7 @@ async def barge_in_session(engine):
                 return
 
     await until("turn_done")
-    session.push_frame(Frame(large_noise_image(1), 0.0), prompt="Look.")
+    session.push_frame(Frame(large_noise_image(1), 0.0))
     while session.running_rid != step_rid(session.session_id, 1):
         await asyncio.sleep(0.0005)
     tokens_before_the_prompt = len(session.generated)
@@ -246,8 +244,7 @@ def test_a_prompt_barges_into_a_served_turn(realtime_checkpoint):
     )
     assert "interrupted" in kinds
     allowances = [count for _, _, count in session.segments]
-    # initial turn, the frame's (and its prompt's) step cut short by the prompt, the prompt's turn, two frame steps
-    # of one turn
+    # initial turn, the frame's step cut short by the prompt, the prompt's turn, two frame steps of one turn
     assert len(session.segments) == 5, session.segments
     assert tokens_before_the_prompt == allowances[0], "the prompt came before the frame's step gave a token"
     assert allowances[1] == 1, "the step interrupted in its extend keeps its extend's token, no later one"

@@ -10,31 +10,18 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sglang.srt.managers.io_struct import AbortReq
 from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 from mossvl_ascend.realtime.engine import step_processor_output
 from mossvl_ascend.realtime.sessions import SCHEDULER_SESSIONS
-from mossvl_ascend.realtime.wire import (
-    INTERRUPT_MESSAGE,
-    PROMPT_INTERRUPT_MESSAGE,
-    WITHDRAWN_REASON,
-    parse_step_rid,
-)
+from mossvl_ascend.realtime.wire import INTERRUPT_MESSAGE, parse_step_rid
 
 
-def prepare_step_request(original: Callable, scheduler, req, *args: Any, **kwargs: Any):
-    """AROUND ``Scheduler._add_request_to_queue``: a realtime step's request becomes the session's whole sequence
-    (``[encoder rows | every text row]``) with its multimodal inputs describing the session so far; a step a
-    prompt's interrupt withdrew before it arrived is not queued (its client is told as stock tells a request
-    aborted in the queue)."""
-    if SCHEDULER_SESSIONS.withdrawn_on_arrival(req):
-        scheduler._release_aborted_request(req)
-        scheduler.send_abort_output(AbortReq(rid=req.rid, finished_reason=WITHDRAWN_REASON), req)
-        return None
+def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook on ``Scheduler._add_request_to_queue``: a realtime step's request becomes the session's whole
+    sequence (``[encoder rows | every text row]``) with its multimodal inputs describing the session so far."""
     SCHEDULER_SESSIONS.prepare_step(scheduler, req)
-    return original(scheduler, req, *args, **kwargs)
 
 
 def match_step_prefix(original: Callable, session, params):
@@ -90,14 +77,11 @@ def step_extend_results_first(scheduler, *args: Any, **kwargs: Any) -> None:
 
 
 def interrupt_step(original: Callable, scheduler, recv_req, *args: Any, **kwargs: Any):
-    """AROUND ``Scheduler.abort_request``: an abort carrying an interrupt marker ends a realtime step now as a
-    normal finish (its KV stays with the session), or, a prompt's, withdraws it while its extend has not started
-    (stock then takes it out of the queue); any other abort is stock's."""
-    message = getattr(recv_req, "abort_message", None)
-    if message not in (INTERRUPT_MESSAGE, PROMPT_INTERRUPT_MESSAGE) or parse_step_rid(recv_req.rid) is None:
+    """AROUND ``Scheduler.abort_request``: an abort carrying the interrupt marker ends a realtime step now as a
+    normal finish (its KV stays with the session); any other abort is stock's."""
+    if getattr(recv_req, "abort_message", None) != INTERRUPT_MESSAGE or parse_step_rid(recv_req.rid) is None:
         return original(scheduler, recv_req, *args, **kwargs)
-    if SCHEDULER_SESSIONS.interrupt(scheduler, recv_req.rid, withdraw=message == PROMPT_INTERRUPT_MESSAGE):
-        return original(scheduler, AbortReq(rid=recv_req.rid, finished_reason=WITHDRAWN_REASON))
+    SCHEDULER_SESSIONS.interrupt(scheduler, recv_req.rid)
     return None
 
 
@@ -134,7 +118,7 @@ PATCHES = (
     Patch(
         title="MOSS-VL-Realtime: a step request becomes its session's whole sequence",
         target="sglang.srt.managers.scheduler.Scheduler._add_request_to_queue",
-        kind=HookType.AROUND,
+        kind=HookType.BEFORE,
         hook=prepare_step_request,
         platforms=ON_NPU_AND_CPU,
         why=(
@@ -146,8 +130,7 @@ PATCHES = (
             "new rows]`, the encoder grown in whole pages for the new frames, multimodal inputs holding the new "
             "frames' pixels with every frame's encoder end, per-row visible frames (with a frame window, each "
             "row's first visible frame too) and MRoPE positions that continue the session's; `:close` frees the "
-            "session; a step that a prompt's interrupt withdrew before it arrived is not queued (its client gets "
-            "stock's queued-abort output with the withdrawal reason)"
+            "session"
         ),
         upstream="sglang's streaming sessions copy a turn's multimodal inputs from the previous one (no new frames)",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
@@ -199,10 +182,8 @@ PATCHES = (
             "an AbortReq for a realtime step rid whose `abort_message` is the interrupt marker lowers the step's "
             "token limit to the token under way and sets its `to_finish` to a length finish (queued, chunked or in "
             "flight; one that the interrupt overtook, when it arrives): the forward under way gives its last token, "
-            "and stock's overlap loop leaves a request finishing by length out of the next decode batch. A "
-            "prompt's interrupt (its own marker) withdraws a step still queued with its extend not started: "
-            "stock's abort takes it out of the queue with the withdrawal reason, and the session runs its frames "
-            "with the prompt as one step. Other aborts go to stock"
+            "and stock's overlap loop leaves a request finishing by length out of the next decode batch. Other "
+            "aborts go to stock"
         ),
         upstream="not in sglang",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",

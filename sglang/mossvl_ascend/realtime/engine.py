@@ -48,10 +48,8 @@ from mossvl_ascend.realtime.wire import (
     CLOSE_STEP,
     CONTEXT_EXHAUSTED,
     INTERRUPT_MESSAGE,
-    PROMPT_INTERRUPT_MESSAGE,
     USAGE_INFO_KEY,
     WINDOW_STARTS_PARAM,
-    WITHDRAWN_MESSAGE,
     step_rid,
     usage_after,
 )
@@ -229,7 +227,6 @@ class ServedSession:
         self.segments: list[tuple[list[int], list[float], int]] = []
         self.running_rid: Optional[str] = None
         self.interrupt_sent = False  # the running step was asked to end
-        self.running_withdrawable = False  # a prompt may withdraw the running step (frames only: drained again)
         # Every step of a session runs on the data-parallel rank that holds its KV.
         dp_size = getattr(manager.server_args, "dp_size", 1) or 1
         self.dp_rank = int(self.session_id, 16) % dp_size if dp_size > 1 else None
@@ -263,18 +260,14 @@ class ServedSession:
         self._interrupt_running_step()
 
     def _interrupt_running_step(self) -> None:
-        """Ask the scheduler to end the running step (once per step): the token under way is its last. With a
-        prompt pending and a step its frames alone make up, the prompt's marker: a step whose extend has not
-        started is withdrawn, and its frames run with the prompt as one step (as the reference loop drains inputs
-        that arrived together), instead of two steps one after the other."""
+        """Ask the scheduler to end the running step (once per step): the token under way is its last."""
         from sglang.srt.managers.io_struct import AbortReq
 
         if self.running_rid is None or self.interrupt_sent:
             return
         self.interrupt_sent = True
-        withdraw = self.running_withdrawable and bool(self.prompts)
         self.engine.tokenizer_manager._dispatch_to_scheduler(
-            AbortReq(rid=self.running_rid, abort_message=PROMPT_INTERRUPT_MESSAGE if withdraw else INTERRUPT_MESSAGE)
+            AbortReq(rid=self.running_rid, abort_message=INTERRUPT_MESSAGE)
         )
 
     def _check_prompt_fits(self, prompt: str) -> None:
@@ -318,14 +311,7 @@ class ServedSession:
                 # With a rate cap each token is a step of its own, spaced 1/rate apart, input drained between them
                 # (the reference loop paces the same way).
                 allowance = 1 if rate else self.config.max_new_tokens - turn_tokens
-                # A step of drained frames only can be withdrawn by a prompt (drained again with it).
-                withdrawable = not first and bool(frames) and all(entry.turn is None for entry in inputs)
-                outcome = await self._step(rows, frames, inputs, first, allowance, withdrawable)
-                if outcome is None:  # withdrawn unrun: its frames go back, drained again with the prompt
-                    self.frames[:0] = frames
-                    rows, frames, inputs = self._drain()
-                    continue
-                last, generated, interrupted = outcome
+                last, generated, interrupted = await self._step(rows, frames, inputs, ready=first, allowance=allowance)
                 first, turn_tokens = False, turn_tokens + generated
                 if rate:
                     next_due = max(next_due + generated / rate, clock())
@@ -413,20 +399,12 @@ class ServedSession:
         return torch.cat(pixels), torch.tensor(grids)
 
     async def _step(
-        self,
-        rows: list[int],
-        frames: list[Frame],
-        inputs: list["DrainedInput"],
-        ready: bool,
-        allowance: int,
-        withdrawable: bool = False,
-    ) -> Optional[tuple[int, int, bool]]:
+        self, rows: list[int], frames: list[Frame], inputs: list["DrainedInput"], ready: bool, allowance: int
+    ) -> tuple[int, int, bool]:
         """One engine step: the rows (and frames) as an extend, then up to ``allowance`` tokens; input arriving
-        meanwhile interrupts it (:meth:`_input_arrived`). -> (the last token, tokens generated, interrupted), or
-        None when a prompt withdrew it before its extend (``withdrawable``; nothing ran, the window is as before)."""
+        meanwhile interrupts it (:meth:`_input_arrived`). -> (the last token, tokens generated, interrupted)."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        window_before = (len(self.frame_times), self.window_start)
         rid = step_rid(self.session_id, next(self.steps))
         input_ids = self.generated[-1:] + rows  # the token generated last goes through the model with the rows
         # What the step may write is bounded by the context (the scheduler bounds it again by the session's room):
@@ -441,8 +419,8 @@ class ServedSession:
             return_logprob=self.config.return_logprob,
             data_parallel_rank=self.dp_rank,
         )
-        seen, withdrawn = 0, False
-        self.running_rid, self.interrupt_sent, self.running_withdrawable = rid, False, withdrawable
+        seen = 0
+        self.running_rid, self.interrupt_sent = rid, False
         if self.pending_inputs:  # arrived after this step's inputs were drained
             self._interrupt_running_step()
         manager = self.engine.tokenizer_manager
@@ -464,17 +442,10 @@ class ServedSession:
                 finish = chunk.get("meta_info", {}).get("finish_reason")
                 if isinstance(finish, dict) and finish.get("type") == "abort":
                     message = finish.get("message") or "the engine aborted the session"
-                    if message == WITHDRAWN_MESSAGE and not seen and withdrawable:
-                        withdrawn = True
-                        continue
                     code = "context_exhausted" if CONTEXT_EXHAUSTED in message else "session_aborted"
                     raise RealtimeError(code, message)
         finally:
             self.running_rid = None
-        if withdrawn:
-            del self.frame_times[window_before[0] :]
-            self.window_start = window_before[1]
-            return None
         if not seen:
             raise RealtimeError("session_aborted", f"step {rid} produced no token")
         self.segments.append((rows, [frame.timestamp for frame in frames], seen))

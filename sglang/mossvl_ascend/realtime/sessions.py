@@ -116,8 +116,7 @@ class RealtimeSessions:
     def __init__(self) -> None:
         self.streams: dict[str, Stream] = {}
         self.evicted: dict[str, str] = {}
-        # session id -> (the rid of a step interrupted before it arrived, whether a prompt's interrupt withdraws it)
-        self.early_interrupts: dict[str, tuple[str, bool]] = {}
+        self.early_interrupts: dict[str, str] = {}  # session id -> the rid of a step interrupted before it arrived
 
     # -- which request is ours --
 
@@ -238,8 +237,7 @@ class RealtimeSessions:
         if vision_tokens > stream.vision_tokens:
             side_channel.STEP_NEW_VISION.set(mm, NewVision(first=stream.vision_tokens, text_from=len(stream.text_ids)))
         stream.step = RunningStep(req.rid, plan, encoder_rows, vision_tokens, new_vision_from=stream.vision_tokens)
-        early = self.early_interrupts.pop(session_id, None)
-        if early is not None and early[0] == req.rid:
+        if self.early_interrupts.pop(session_id, None) == req.rid:
             _finish_at_the_next_result(req)
         req.customized_info = {
             USAGE_INFO_KEY: [
@@ -256,47 +254,19 @@ class RealtimeSessions:
 
     # -- barge-in --
 
-    def interrupt(self, scheduler, rid: str, withdraw: bool = False) -> bool:
+    def interrupt(self, scheduler, rid: str) -> None:
         """End step ``rid`` now, as a normal finish (its KV stays with the session): the token of a forward already
         under way when the interrupt arrives is its last (a step in its extend keeps the extend's token); a forward
         the scheduler launches later for it is discarded (stock drops the result of a request finished under
         overlap scheduling), so no token decoded after the interrupt is sent or kept. A step still queued ends after
-        its extend; one not here yet (the interrupt overtook it) is ended when it arrives.
-
-        ``withdraw`` (a prompt's interrupt, for a step its session can drain again): a step still queued, its extend
-        not started, is withdrawn instead (-> True: the caller takes it out of the queue as stock aborts a queued
-        request, with :data:`WITHDRAWN_REASON`); one not here yet is withdrawn when it arrives
-        (:meth:`withdrawn_on_arrival`)."""
+        its extend; one not here yet (the interrupt overtook it) is ended when it arrives."""
         for req in self._queued_or_in_flight(scheduler):
             if req.rid == rid and not req.finished():
-                if withdraw and req in scheduler.waiting_queue and self._withdraw(req):
-                    return True
                 _finish_at_the_next_result(req)
-                return False
+                return
         parsed = parse_step_rid(rid)
         if parsed is not None and parsed[0] in self.streams:
-            self.early_interrupts[parsed[0]] = (rid, withdraw)
-        return False
-
-    def _withdraw(self, req) -> bool:
-        """Forget a queued step that has not started (no row rewrite, no slot, no token): its session is as before."""
-        stream = self.stream_of(req)
-        step = stream.step if stream is not None else None
-        if step is None or step.rid != req.rid or step.prepared or req.output_ids:
-            return False
-        stream.step = None
-        logger.info("realtime step %s withdrawn before its extend: a prompt arrived, they run as one step", req.rid)
-        return True
-
-    def withdrawn_on_arrival(self, req) -> bool:
-        """A step whose prompt's interrupt overtook it: it is not queued (its session drains its frames again with
-        the prompt); the caller tells the client as stock tells a request aborted in the queue."""
-        parsed = parse_step_rid(getattr(req, "rid", None))
-        if parsed is None or self.early_interrupts.get(parsed[0]) != (req.rid, True):
-            return False
-        del self.early_interrupts[parsed[0]]
-        logger.info("realtime step %s withdrawn on arrival: a prompt overtook it, they run as one step", req.rid)
-        return True
+            self.early_interrupts[parsed[0]] = rid
 
     @staticmethod
     def _queued_or_in_flight(scheduler) -> list:

@@ -11,13 +11,6 @@ from __future__ import annotations
 RID_PREFIX = "mossvl-realtime:"
 # The abort message that asks a running step to end at its next token, keeping its KV (barge-in).
 INTERRUPT_MESSAGE = "mossvl-realtime-interrupt"
-# The abort message of an interrupt a prompt caused, for a step that may be withdrawn: one whose extend has not started
-# is taken out of the queue unrun (its session drains its frames again with the prompt, one step, as the reference
-# loop drains what arrived together); one already running ends as with INTERRUPT_MESSAGE.
-PROMPT_INTERRUPT_MESSAGE = "mossvl-realtime-interrupt-by-prompt"
-# The finish reason of a withdrawn step (it generated nothing; its KV and its session are untouched).
-WITHDRAWN_MESSAGE = "realtime step withdrawn before its extend"
-WITHDRAWN_REASON = {"type": "abort", "message": WITHDRAWN_MESSAGE}
 CLOSE_STEP = "close"
 # In a windowed step's sampling ``custom_params``: per new frame, the first frame still in the window after it.
 WINDOW_STARTS_PARAM = "mossvl_window_first_frames"
