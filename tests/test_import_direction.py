@@ -62,7 +62,8 @@ LAYERS: list[tuple[str, list[list[str]]]] = [
     ("media", [["mossvl_ascend.media", "mossvl_ascend.media.access", "mossvl_ascend.media.sampling"]]),
     (
         "shared contracts",
-        [["mossvl_ascend.side_channel", "mossvl_ascend.patch_record", "mossvl_ascend.checkpoint_code"]],
+        [["mossvl_ascend.side_channel", "mossvl_ascend.patch_record", "mossvl_ascend.checkpoint_code"]]
+        + [["mossvl_ascend.host_memory"]],
     ),
 ]
 

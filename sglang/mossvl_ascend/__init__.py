@@ -15,6 +15,7 @@ The human catalog, ``sglang/PATCHES.md``, is generated from the same records (:m
 
 import logging
 
+from mossvl_ascend.host_memory import pin_malloc_thresholds
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, PATCH_MODULES, PLUGIN_NAME
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,6 @@ __all__ = ["PATCH_MODULES", "PLUGIN_NAME", "register"]
 
 def register() -> None:
     """Apply this platform's patches (called by sglang's plugin loader in every process)."""
-    from mossvl_ascend.host_memory import pin_malloc_thresholds
     from mossvl_ascend.registry import apply_patches, current_platform
 
     platform = current_platform()
