@@ -71,12 +71,16 @@ SERVER_ERROR_MARKERS = ("Traceback", " ERROR ")
 @dataclass
 class Sample:
     at: float  # seconds since the load started
-    rss_mib: float
+    rss_by_process: dict[str, float]  # MiB, by process name
     kv_tokens: int
     encoder_kv_max: int
     frames: int
     p95_ms: float
-    rss_by_process: dict[str, float] = field(default_factory=dict)  # MiB, by process name
+
+    @property
+    def rss_mib(self) -> float:
+        """The server's RSS: the sum over its processes."""
+        return sum(self.rss_by_process.values())
 
 
 @dataclass
@@ -196,7 +200,7 @@ async def drop_and_reconnect(url: str, args, index: int, soak: Soak, start: floa
     await stream(args, index, replacement, time.perf_counter(), stop)
 
 
-def server_rss_mib(server: SglangServer) -> dict[str, float]:
+def server_rss_mib_by_process(server: SglangServer) -> dict[str, float]:
     """RSS of each of the server's processes (the launcher, then its children by process name), MiB."""
     root = psutil.Process(server.process.pid)
     by_process = {}
@@ -243,18 +247,10 @@ async def sample_every(server: SglangServer, args, soak: Soak, start: float, sto
         await asyncio.sleep(min(args.sample_every, stop - time.perf_counter()))
         now = time.perf_counter()
         latencies = frame_latencies(soak.clients, previous, now)
-        by_process, kv = await asyncio.to_thread(server_rss_mib, server), await asyncio.to_thread(kv_tokens, server)
-        rss = sum(by_process.values())
+        rss = await asyncio.to_thread(server_rss_mib_by_process, server)
+        kv = await asyncio.to_thread(kv_tokens, server)
         soak.samples.append(
-            Sample(
-                now - start,
-                rss,
-                kv,
-                encoder_kv_max(soak.clients),
-                len(latencies),
-                1e3 * percentile(latencies, 95),
-                by_process,
-            )
+            Sample(now - start, rss, kv, encoder_kv_max(soak.clients), len(latencies), 1e3 * percentile(latencies, 95))
         )
         previous = now
 

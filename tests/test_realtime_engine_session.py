@@ -287,3 +287,43 @@ def test_a_prompt_while_parked_announces_its_turn(processor):
     ]
     texts = [o.turn_id for o in outputs if o.kind == "text"]
     assert texts == sorted(texts) and set(texts) == {1, 2}
+
+
+def test_a_pending_extend_holding_a_step_is_processed_before_the_next_batch():
+    """The overlap loop's pending result (stock's ``result_queue``) is read before the next batch is built when it is
+    an extend holding a realtime step, and ``last_batch`` cleared so the loop finds nothing pending; a decode result,
+    an extend of ordinary requests, a loop whose ranks sync per batch, or a scheduler with no session keep stock's
+    order (nothing processed early)."""
+    from collections import deque
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from mossvl_ascend.realtime import sessions as realtime_sessions
+
+    def scheduler_with(mode, rid, mlp_sync=False):
+        batch = SimpleNamespace(forward_mode=mode, reqs=[SimpleNamespace(rid=rid)])
+        scheduler = SimpleNamespace(
+            result_queue=deque([(batch, "result")]),
+            enable_skip_finishing_decode=True,
+            require_mlp_sync=mlp_sync,
+            last_batch=batch,
+            processed=[],
+        )
+        scheduler.process_batch_result = lambda b, r: scheduler.processed.append((b, r))
+        return scheduler, batch
+
+    owned = realtime_sessions.RealtimeSessions()
+    owned.streams["s1"] = realtime_sessions.Stream("s1")
+    step = step_rid("s1", 2)
+    scheduler, batch = scheduler_with(ForwardMode.EXTEND, step)
+    owned.process_step_extends_first(scheduler)
+    assert scheduler.processed == [(batch, "result")] and not scheduler.result_queue and scheduler.last_batch is None
+    for mode, rid, mlp_sync, sessions in (
+        (ForwardMode.DECODE, step, False, owned),
+        (ForwardMode.EXTEND, "ordinary", False, owned),
+        (ForwardMode.EXTEND, step, True, owned),
+        (ForwardMode.EXTEND, step, False, realtime_sessions.RealtimeSessions()),
+    ):
+        scheduler, batch = scheduler_with(mode, rid, mlp_sync)
+        sessions.process_step_extends_first(scheduler)
+        assert not scheduler.processed and len(scheduler.result_queue) == 1 and scheduler.last_batch is batch

@@ -277,8 +277,7 @@ class RealtimeSessions:
 
     # -- the overlap loop --
 
-    @staticmethod
-    def process_step_extends_first(scheduler) -> None:
+    def process_step_extends_first(self, scheduler) -> None:
         """Under overlap scheduling, before the next batch is built: a pending extend result that holds a realtime
         step is processed now, not after the next forward. Stock's overlap loop builds and launches the next batch
         (the step's first decode) before it reads the extend's result, so the step's first token went out one
@@ -286,8 +285,10 @@ class RealtimeSessions:
         that decode, its token dropped. Processed first, the step's first token goes out at once and a finished
         step is not in the next batch; the loop then finds nothing pending (``last_batch`` cleared), as stock's
         own consecutive-prefill rule leaves it. Other batches keep stock's order; so do loops that synchronise
-        ranks per batch (DP attention), where every rank must take the same path."""
-        pending = getattr(scheduler, "result_queue", None)
+        ranks per batch (DP attention), where every rank must take the same path. Only while sessions exist (a
+        step's session is recorded when it is queued): stock asks every scheduler pass, so ordinary serving pays
+        nothing."""
+        pending = getattr(scheduler, "result_queue", None) if self.streams else None
         if not pending or not scheduler.enable_skip_finishing_decode or scheduler.require_mlp_sync:
             return
         batch, result = pending[0]
