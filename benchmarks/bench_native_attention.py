@@ -16,8 +16,9 @@ call per request (unpadded) and one call over the padded batch: what an implemen
 even if it gathered nothing. ``bound`` = loop / floor: the largest speedup over the loop such an implementation could
 reach on this machine. On a CPU the kernel's pass over the K/V is the work itself, so where the bound is below a
 target, no batching of the host work reaches it.
-The batched form bounds each call's gathered K/V by ``core.GATHER_BUDGET_BYTES`` (CPU: 32 MiB), so on the CPU
-the ``issue`` preset splits large batches into several calls; ``--no-gather-budget`` measures it unbounded.
+The batched form bounds each call's gathered K/V by ``core.GATHER_BUDGET_BYTES`` (CPU: 8 MiB), so on the CPU
+the ``issue`` preset splits large batches into several calls and the ``long`` preset each request's keys into
+chunks; ``--no-gather-budget`` measures it unbounded, ``--gather-budget-mib N`` with another budget.
 
 Run (CPU): SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=sglang:cpu_shim .venv/bin/python benchmarks/bench_native_attention.py
 The last line is ``RESULT decode_ops_b64_over_b1=... decode_speedup_b64=... extend_speedup_b8=...
@@ -57,7 +58,13 @@ class Shape:
     extend_rows: int
 
 
-PRESETS = {"issue": Shape(8, 2, 128, 1024, (512, 4096), 32), "tiny": Shape(4, 2, 32, 17, (64, 256), 32)}
+# "long": contexts past the CPU gather budget for a single request (16-32 K tokens: 32-64 MiB of fp32 K/V), which the
+# core then attends over in key chunks.
+PRESETS = {
+    "issue": Shape(8, 2, 128, 1024, (512, 4096), 32),
+    "tiny": Shape(4, 2, 32, 17, (64, 256), 32),
+    "long": Shape(8, 2, 128, 1024, (16384, 32768), 32),
+}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -244,9 +251,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--preset", default="issue", choices=list(PRESETS))
     parser.add_argument("--no-gather-budget", action="store_true", help="one call per length bucket on the CPU too")
+    parser.add_argument(
+        "--gather-budget-mib",
+        type=int,
+        help=f"the CPU's gather budget for this run, MiB (default {core.GATHER_BUDGET_BYTES['cpu'] >> 20})",
+    )
     args = parser.parse_args()
     if args.no_gather_budget:
         core.GATHER_BUDGET_BYTES.clear()
+    elif args.gather_budget_mib is not None:
+        core.GATHER_BUDGET_BYTES["cpu"] = args.gather_budget_mib << 20
     shape = PRESETS[args.preset]
     print(
         f"preset {args.preset}: {shape.num_heads} query heads / {shape.num_kv_heads} KV heads, head_dim "

@@ -192,6 +192,70 @@ def test_gather_budget_splits_the_batch_and_keeps_the_result(monkeypatch):
     torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
 
 
+# K + V bytes of one key of build_batch's pool (2 KV heads x HEAD_DIM 8, fp32).
+KEY_BYTES = 2 * (2 * 8) * 4
+
+
+def long_context_requests():
+    """Requests whose keys alone outgrow a 3-key budget: a decode row after 20 cached tokens, an extend after a
+    cached prefix, a fresh prefill (its causal limit must cross chunk edges), and a frame-windowed extend whose rows
+    see frames 1-2 of 3 (whole chunks of keys no row sees)."""
+    return [
+        Request(spans=[4, 5], prefix_len=20, extend_len=1, visible_frame_counts=[2] * 21),
+        Request(spans=[3], prefix_len=9, extend_len=7, visible_frame_counts=[0] * 11 + [1] * 5),
+        Request(spans=[], prefix_len=0, extend_len=13),
+        Request(
+            spans=[3, 4, 2],
+            prefix_len=2,
+            extend_len=5,
+            visible_frame_counts=[1, 1, 2, 2, 3, 3, 3],
+            first_visible_frames=[0, 0, 1, 1, 1, 2, 2],
+        ),
+    ]
+
+
+@pytest.mark.parametrize("logit_cap", [0.0, 1.5], ids=["plain", "softcap"])
+@pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
+@pytest.mark.parametrize("alone", [True, False], ids=["each-alone", "one-batch"])
+def test_keys_beyond_the_gather_budget_go_in_chunks_with_the_same_numbers(monkeypatch, cross, alone, logit_cap):
+    """A request whose keys alone outgrow the budget is computed over chunks of keys merged by log-sum-exp: the
+    same numbers as the dense reference (causal limit, cached prefix, frame boundaries, a window, blind rows),
+    and neither gather buffer ever holds more than the budget, however long the context."""
+    budget_keys = 3
+    monkeypatch.setitem(core.GATHER_BUDGET_BYTES, "cpu", budget_keys * KEY_BYTES)
+    workspace = core.GatherWorkspace()
+    monkeypatch.setattr(core, "GATHER_WORKSPACE", workspace)
+    requests = long_context_requests()
+    for batch in [build_batch([r]) for r in requests] if alone else [build_batch(requests)]:
+        metadata = batch_metadata(batch)
+        with KernelCalls() as kernel:
+            out = run(attention, batch, metadata, cross, logit_cap)
+        reference = (reference_cross_extend if cross else reference_self_extend)(batch, SCALE, logit_cap)
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+        if not cross:  # cross-attention's staircase requests gather their whole encoder (module doc)
+            assert sum(b.numel() * b.element_size() for b in workspace._buffers.values()) <= budget_keys * KEY_BYTES
+            assert logit_cap or len(kernel.calls) >= 2
+
+
+def test_a_chunked_fresh_prefill_skips_the_rows_before_each_chunk(monkeypatch):
+    """The causal limit of a fresh prefill in chunks: rows before a chunk's first key see none of it and are not
+    computed, so the kernel gets fewer query rows per chunk (13 rows, 4-key chunks: 13, 9, 5, 1)."""
+    monkeypatch.setitem(core.GATHER_BUDGET_BYTES, "cpu", 4 * KEY_BYTES)
+    batch = build_batch([Request(spans=[], prefix_len=0, extend_len=13)], *HEADS["mha"])  # no GQA row folding
+    rows = []
+
+    class QueryRows(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+                rows.append(args[0].shape[2])
+            return func(*args, **(kwargs or {}))
+
+    with QueryRows():
+        out = run(attention, batch, batch_metadata(batch), cross=False)
+    assert rows == [13, 9, 5, 1]
+    torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
+
+
 def one_row_extend_requests():
     """Mixed-batch members of one new row each: seeing the first frame only, no frame, every frame, no encoder."""
     return [

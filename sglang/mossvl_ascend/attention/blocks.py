@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mossvl_ascend.attention.primitives import attention_with_lse
+from mossvl_ascend.attention.primitives import accumulate_by_lse, attention_with_lse
 
 # A staircase of at most this many rows is one masked leaf instead of being halved further:
 # below it an attention call is too small to run near peak and the mask costs less than more calls.
@@ -260,10 +260,5 @@ def _lse_merged_blocks(q, k, v, sorted_boundaries, blocks, scale: float, logit_c
             lse[:, rows_slice] = block_lse
             covered[rows_slice] = b"\x01" * (block.row_end - block.row_start)
             continue
-        old_lse = lse[:, rows_slice]
-        new_lse = torch.logaddexp(old_lse, block_lse)
-        acc[:, rows_slice].mul_(torch.exp(old_lse - new_lse)[..., None]).add_(
-            block_out.float().mul_(torch.exp(block_lse - new_lse)[..., None])
-        )
-        lse[:, rows_slice] = new_lse
+        accumulate_by_lse(acc[:, rows_slice], lse[:, rows_slice], block_out, block_lse)
     return acc.to(q.dtype)

@@ -19,8 +19,10 @@ K/V rows are gathered into reused buffers (:class:`GatherWorkspace`), not into a
 Padding is bounded: requests are sorted by key length and split into a few buckets so that the padded
 ``rows x keys`` area of a call stays within ``PADDING_LIMIT`` times the useful area (plus a floor that keeps
 small batches in one call), and, on devices listed in ``GATHER_BUDGET_BYTES`` (the CPU), so that a call's
-gathered K/V fits that budget. Requests without an encoder and padding contribute nothing (cross-attention rows
-that see no key are zero).
+gathered K/V fits that budget; a request whose keys alone outgrow it goes through in key chunks merged by their
+log-sum-exp, so the buffers stay within the budget however long a context grows (a cross-attention staircase
+gathers its request's whole encoder, which a realtime stream's frame window bounds). Requests without an encoder
+and padding contribute nothing (cross-attention rows that see no key are zero).
 
 Opt-in on an NPU (``MOSSVL_NPU_PAGED_ATTENTION=1``, off by default until it has run on an Ascend card):
 one-row groups (decode) read K/V in place from the paged pool through a block table and per-request KV
@@ -51,6 +53,7 @@ from mossvl_ascend.attention.kv_layout import (
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
 from mossvl_ascend.attention.primitives import (
     BatchLengths,
+    accumulate_by_lse,
     attention_with_lse,
     npu_paged_attention_with_lse,
     takes_lengths,
@@ -63,8 +66,10 @@ PAGED_ATTENTION_DEVICES = ("npu",)
 
 # Padded K+V bytes one call may gather, per device type (absent: unbounded). On a CPU a call whose gathered K/V
 # outgrows the caches streams it through DRAM twice (written by the gather, read by the kernel), which costs
-# more than a few extra calls (benchmarks/bench_native_attention.py); accelerators gather at HBM speed.
-GATHER_BUDGET_BYTES = {"cpu": 32 << 20}
+# more than a few extra calls: 8 MiB ran batched decode and extend as fast as 32 MiB or faster
+# (docs/benchmarks.md, "Gather budget"), and it bounds the reused gather buffers, which a growing context would
+# otherwise grow for a session's life. Accelerators gather at HBM speed.
+GATHER_BUDGET_BYTES = {"cpu": 8 << 20}
 
 # Calls below this padded area never split: one call is cheaper than saving a little padding.
 _PADDING_FLOOR = 1 << 16
@@ -251,14 +256,27 @@ def _groups(
 ) -> list[PaddedGroup]:
     """This forward's padded groups for one attention kind, built on the first layer of that kind and cached
     (every layer of a forward reads the same ``req_to_token`` rows)."""
-    budget = GATHER_BUDGET_BYTES.get(k_cache.device.type)
-    bytes_per_key = k_cache.stride(0) * k_cache.element_size() + v_cache.stride(0) * v_cache.element_size()
-    max_keys = None if budget is None else max(1, budget // bytes_per_key)
     by_lengths = takes_lengths(k_cache.device.type)
     build = functools.partial(
-        _build_groups, metadata, req_to_token, req_pool_indices, is_cross, max_keys, by_lengths, addressing
+        _build_groups,
+        metadata,
+        req_to_token,
+        req_pool_indices,
+        is_cross,
+        _budget_keys(k_cache, v_cache),
+        by_lengths,
+        addressing,
     )
     return metadata.cached(("groups", is_cross), build)
+
+
+def _budget_keys(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
+    """How many keys' K and V rows fit the device's gather budget (None: the device has none)."""
+    budget = GATHER_BUDGET_BYTES.get(k_cache.device.type)
+    if budget is None:
+        return None
+    bytes_per_key = k_cache.stride(0) * k_cache.element_size() + v_cache.stride(0) * v_cache.element_size()
+    return max(1, budget // bytes_per_key)
 
 
 def _build_groups(
@@ -438,29 +456,78 @@ def _padded_lower_bounds(metadata, members: list[int], max_rows: int, device):
 
 
 def _group_attention(query, output, k_cache, v_cache, group: PaddedGroup, layer: AttentionLayer, slot_map) -> None:
-    """One primitive call for every request of the group; writes their rows of ``output``."""
+    """The primitive's call(s) for every request of the group; writes their rows of ``output``.
+
+    One call, unless the group's keys outgrow the device's gather budget (a request whose context alone is
+    larger: buckets split requests, not keys): then its keys go through in chunks that each fit the budget, and
+    the chunks' results are merged by their log-sum-exp, so the gathered K/V never exceeds the budget however
+    long the context grows."""
     batch, max_rows = group.query_index.shape
     slots = group.slots if slot_map is None else slot_map[group.slots]
     q = query[group.query_index].permute(0, 2, 1, 3)  # [B, Hq, rows, D]
-    k = GATHER_WORKSPACE.gather("k", k_cache, slots).to(query.dtype).permute(0, 2, 1, 3)  # [B, Hk, keys, D]
-    v = GATHER_WORKSPACE.gather("v", v_cache, slots).to(query.dtype).permute(0, 2, 1, 3)
-    visible, lengths = group.visible, (group.lengths if group.by_lengths else None)
-    self_causal = layer.causal and not layer.is_cross_attention
-    if not (layer.is_cross_attention or layer.causal or lengths):  # encoder-only self-attention: lengths only
-        visible = (torch.arange(slots.shape[1], device=query.device) < group.key_lens[:, None])[:, None, None]
-    out, _ = attention_with_lse(
-        q,
-        k,
-        v,
-        layer.scale,
-        visible=visible,
-        lengths=lengths,
-        logit_cap=layer.logit_cap,
-        every_row_sees_a_key=self_causal,
-        causal=self_causal and (group.causal_from_first_key or lengths is not None),
-    )
+    lengths = group.lengths if group.by_lengths else None
+    budget_keys = _budget_keys(k_cache, v_cache)
+    chunk_keys = None if budget_keys is None or lengths is not None else max(1, budget_keys // batch)
+    if chunk_keys is None or slots.shape[1] <= chunk_keys:
+        k = GATHER_WORKSPACE.gather("k", k_cache, slots).to(query.dtype).permute(0, 2, 1, 3)  # [B, Hk, keys, D]
+        v = GATHER_WORKSPACE.gather("v", v_cache, slots).to(query.dtype).permute(0, 2, 1, 3)
+        self_causal = layer.causal and not layer.is_cross_attention
+        out, _ = attention_with_lse(
+            q,
+            k,
+            v,
+            layer.scale,
+            visible=_visible_keys(group, layer, 0, slots.shape[1], lengths),
+            lengths=lengths,
+            logit_cap=layer.logit_cap,
+            every_row_sees_a_key=self_causal,
+            causal=self_causal and (group.causal_from_first_key or lengths is not None),
+        )
+    else:
+        out = _key_chunked_attention(q, k_cache, v_cache, slots, group, layer, chunk_keys)
     out = out.permute(0, 2, 1, 3).reshape(batch * max_rows, out.shape[1], -1)
     output[group.output_rows] = out[group.padded_rows]
+
+
+def _visible_keys(group: PaddedGroup, layer: AttentionLayer, start: int, stop: int, lengths) -> torch.Tensor | None:
+    """The group's ``visible`` over its keys ``start..stop``, as the single call takes it: None where every row
+    sees every key or the primitive's causal flag says it (a whole-key-range call), the key-length cut for
+    encoder-only self-attention (which has no mask of its own)."""
+    if not (layer.is_cross_attention or layer.causal or lengths):
+        return (torch.arange(start, stop, device=group.key_lens.device) < group.key_lens[:, None])[:, None, None]
+    return None if group.visible is None else group.visible[..., start:stop]
+
+
+def _key_chunked_attention(q, k_cache, v_cache, slots, group: PaddedGroup, layer: AttentionLayer, chunk_keys: int):
+    """Attention of ``q`` over the group's keys in chunks of ``chunk_keys``, merged in fp32 by log-sum-exp.
+
+    A chunk's rows may see none of its keys (a cross-attention row before its frame, a causal row before the
+    chunk): such rows get lse -inf from that chunk and keep what earlier chunks gave. A fresh prefill's causal
+    limit (which the single call leaves to the primitive's flag) becomes an explicit mask per chunk, and rows
+    before the chunk's first key are not computed at all."""
+    batch, num_heads, max_rows, _ = q.shape
+    acc = q.new_zeros(batch, num_heads, max_rows, v_cache.shape[-1], dtype=torch.float32)
+    acc_lse = torch.full((batch, num_heads, max_rows), float("-inf"), device=q.device)
+    causal_limit = layer.causal and not layer.is_cross_attention and group.causal_from_first_key
+    row_offsets = torch.arange(max_rows, device=q.device)[:, None]
+    for start in range(0, slots.shape[1], chunk_keys):
+        stop = min(start + chunk_keys, slots.shape[1])
+        first_row = min(start, max_rows) if causal_limit else 0
+        if first_row == max_rows:
+            break
+        chunk = slots[:, start:stop]
+        k = GATHER_WORKSPACE.gather("k", k_cache, chunk).to(q.dtype).permute(0, 2, 1, 3)
+        v = GATHER_WORKSPACE.gather("v", v_cache, chunk).to(q.dtype).permute(0, 2, 1, 3)
+        visible = _visible_keys(group, layer, start, stop, None)
+        if causal_limit:  # key start + j is seen by row r >= start + j
+            visible = (torch.arange(start, stop, device=q.device) <= row_offsets[first_row:])[None, None]
+        elif visible is not None:
+            visible = visible[:, :, first_row:]
+        out, lse = attention_with_lse(
+            q[:, :, first_row:], k, v, layer.scale, visible=visible, logit_cap=layer.logit_cap
+        )
+        accumulate_by_lse(acc[:, :, first_row:], acc_lse[:, :, first_row:], out, lse)
+    return acc.to(q.dtype)
 
 
 def _staircase_attention(

@@ -271,3 +271,13 @@ def plain_attention_with_lse(q, k, v, scale, *, visible=None, logit_cap=0.0):
         out[:, :, start:stop] = chunk_out.view(batch, num_heads, stop - start, -1).to(q.dtype)
         lse[:, :, start:stop] = chunk_lse
     return out, lse
+
+
+def accumulate_by_lse(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor) -> None:
+    """Merge in place a partial result over other keys (``out``, ``out_lse``) into the fp32 accumulator ``acc``
+    normalised to ``acc_lse``: both weighted by ``exp(lse - combined lse)``. A row that sees no key on either side
+    (lse -inf on both) keeps output 0 and lse -inf, where the weights alone would be NaN."""
+    combined = torch.logaddexp(acc_lse, out_lse)
+    acc.mul_(torch.exp(acc_lse - combined).nan_to_num_(0.0)[..., None])
+    acc.add_(out.float().mul_(torch.exp(out_lse - combined).nan_to_num_(0.0)[..., None]))
+    acc_lse.copy_(combined)
