@@ -67,7 +67,7 @@ PAGED_ATTENTION_DEVICES = ("npu",)
 # Padded K+V bytes one call may gather, per device type (absent: unbounded). On a CPU a call whose gathered K/V
 # outgrows the caches streams it through DRAM twice (written by the gather, read by the kernel), which costs
 # more than a few extra calls: 8 MiB ran batched decode and extend as fast as 32 MiB or faster
-# (docs/benchmarks.md, "Gather budget"), and it bounds the reused gather buffers, which a growing context would
+# (docs/benchmarks.md, "The CPU gather budget"), and it bounds the reused gather buffers, which a growing context would
 # otherwise grow for a session's life. Accelerators gather at HBM speed.
 GATHER_BUDGET_BYTES = {"cpu": 8 << 20}
 
