@@ -103,11 +103,15 @@ def test_fresh_prefills_run_the_kernels_causal_flag_and_match_the_reference(head
     torch.testing.assert_close(out, reference_self_extend(batch, SCALE), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_budget", [False, True], ids=["one-call", "key-chunks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_fresh_prefills_through_the_causal_flag_within_the_precision_budget(dtype):
+def test_fresh_prefills_within_the_precision_budget(monkeypatch, dtype, chunk_budget):
     """The causal-flag call in every dtype, several fresh requests (8:2 heads), against the fp64 reference on the
     same rounded inputs; budget as in test_attention_precision: fp32 1e-5, half precision 1.5x the error of one
-    dense masked attention in that dtype + 1e-3 (causal row r = boundary r + 1 over the request's text keys)."""
+    dense masked attention in that dtype + 1e-3 (causal row r = boundary r + 1 over the request's text keys).
+    ``key-chunks``: a 16-key gather budget, so each request's keys go in chunks merged by log-sum-exp in fp32."""
+    if chunk_budget:
+        monkeypatch.setitem(core.GATHER_BUDGET_BYTES, "cpu", 16 * 2 * (2 * 8) * dtype.itemsize)
     requests = [
         Request(spans=[4, 4], prefix_len=0, extend_len=40, visible_frame_counts=[1] * 4 + [2] * 36),
         Request(spans=[], prefix_len=0, extend_len=5),

@@ -518,11 +518,10 @@ def _key_chunked_attention(q, k_cache, v_cache, slots, group: PaddedGroup, layer
         chunk = slots[:, start:stop]
         k = GATHER_WORKSPACE.gather("k", k_cache, chunk).to(q.dtype).permute(0, 2, 1, 3)
         v = GATHER_WORKSPACE.gather("v", v_cache, chunk).to(q.dtype).permute(0, 2, 1, 3)
-        visible = _visible_keys(group, layer, start, stop, None)
         if causal_limit:  # key start + j is seen by row r >= start + j
             visible = (torch.arange(start, stop, device=q.device) <= row_offsets[first_row:])[None, None]
-        elif visible is not None:
-            visible = visible[:, :, first_row:]
+        else:  # every row is computed (first_row 0)
+            visible = _visible_keys(group, layer, start, stop, None)
         out, lse = attention_with_lse(
             q[:, :, first_row:], k, v, layer.scale, visible=visible, logit_cap=layer.logit_cap
         )
