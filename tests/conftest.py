@@ -57,6 +57,7 @@ SERVED_WITHOUT_POOL = {
         "test_a_windowed_session_equals_the_reference_log_probabilities",
         "test_a_pool_smaller_than_a_context_refuses_a_session",
         "test_a_prompt_barges_into_a_served_turn",
+        "test_a_prompt_right_after_a_frame_joins_its_step",
         "test_a_rate_cap_paces_each_turn",
     },
     "test_serving_realtime_ws.py": "*",

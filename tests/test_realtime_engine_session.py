@@ -4,7 +4,9 @@ hook, each against a labelled stand-in of the other side, with timed turns (the 
 
 STAND-IN: `StreamingManager` plays sglang's tokenizer manager: it streams a scripted token list for each step
 request, one token per `TOKEN_S`, and ends a step after the next token once it receives the interrupt abort (what
-the scheduler hook makes the real engine do). Oracle: the reference session's rules (module docstring of
+the scheduler hook makes the real engine do); with `take_offers`, an interrupt offering prompts that arrives before a
+step's first token (its extend) is taken instead, as the scheduler takes it for a step still queued
+(`test_realtime_scheduler.py` pins that side). Oracle: the reference session's rules (module docstring of
 `moss_vl_reference.realtime_moss_vl`): input arriving mid-turn is drained after the next token; a prompt closes
 the turn (a new turn with a fresh token allowance), a frame does not (the allowance continues).
 """
@@ -17,7 +19,13 @@ from transformers import AutoProcessor
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
 from mossvl_ascend.patches.realtime_sessions import interrupt_step
-from mossvl_ascend.realtime.wire import INTERRUPT_MESSAGE, step_rid
+from mossvl_ascend.realtime.wire import (
+    INTERRUPT_MESSAGE,
+    OFFER_TAKEN_KEY,
+    USAGE_INFO_KEY,
+    parse_interrupt,
+    step_rid,
+)
 from support.realtime import noise_image, splice_string
 
 TOKEN_S = 0.02
@@ -32,7 +40,7 @@ def processor():
 class StreamingManager:
     """STAND-IN for sglang's TokenizerManager (see the module docstring)."""
 
-    def __init__(self, processor, turns: list[list[int]]):
+    def __init__(self, processor, turns: list[list[int]], take_offers: bool = False):
         self.mm_processor = SimpleNamespace(_processor=processor)
         self.model_config = SimpleNamespace(
             hf_config=SimpleNamespace(architectures=["MossVLForConditionalGeneration"]),
@@ -42,9 +50,13 @@ class StreamingManager:
         self.server_args = SimpleNamespace(max_running_requests=None)
         self.turns, self.requests, self.interrupts = list(turns), [], set()
         self.outputs: list[list[int]] = []  # the tokens each step request yielded
+        self.take_offers, self.offers = take_offers, {}  # rid -> the prompts its interrupt offered
 
     def _dispatch_to_scheduler(self, request):
-        assert request.abort_message == INTERRUPT_MESSAGE
+        is_interrupt, offer = parse_interrupt(request.abort_message)
+        assert is_interrupt
+        if offer is not None:
+            self.offers[request.rid] = offer
         self.interrupts.add(request.rid)
 
     def abort_request(self, rid):
@@ -54,14 +66,20 @@ class StreamingManager:
         self.requests.append(request)
         tokens = self.turns.pop(0) if self.turns else [0]
         limit = request.sampling_params["max_new_tokens"]
-        ids, stop_after = [], None
-        for token in tokens[:limit]:
+        ids, stop_after, taken = [], None, 0
+        for token in tokens:
             await asyncio.sleep(TOKEN_S)
+            if not ids and self.take_offers and request.rid in self.offers:  # offered during the extend: taken
+                self.interrupts.discard(request.rid)
+                taken, limit = len(self.offers[request.rid].rows), self.offers[request.rid].max_new_tokens
             ids.append(token)
             if stop_after is None and request.rid in self.interrupts:
                 stop_after = len(ids)  # the token generated after the interrupt arrived is the last
             last = stop_after is not None or len(ids) == min(len(tokens), limit)
-            yield {"output_ids": list(ids), "meta_info": {"finish_reason": {"type": "length"} if last else None}}
+            meta_info = {"finish_reason": {"type": "length"} if last else None}
+            if len(ids) == 1:
+                meta_info[USAGE_INFO_KEY] = [{OFFER_TAKEN_KEY: taken}]
+            yield {"output_ids": list(ids), "meta_info": meta_info}
             if last:
                 self.outputs.append(ids)
                 return
@@ -170,7 +188,7 @@ def test_the_scheduler_hook_ends_a_step_where_the_interrupt_finds_it():
         assert other.to_finish is None and other.sampling_params.max_new_tokens == LIMIT and not stock
         for rid in (step_rid("s4", 2), step_rid("elsewhere", 2)):
             interrupt_step(lambda s, r: stock.append(r), scheduler, AbortReq(rid=rid, abort_message=INTERRUPT_MESSAGE))
-        assert owned.early_interrupts == {"s4": step_rid("s4", 2)} and not stock
+        assert owned.early_interrupts == {"s4": (step_rid("s4", 2), None)} and not stock
         plain = AbortReq(rid=running.rid)
         interrupt_step(lambda s, r: stock.append(r), scheduler, plain)
     assert stock == [plain], "an ordinary abort is stock's"
@@ -327,3 +345,66 @@ def test_a_pending_extend_holding_a_step_is_processed_before_the_next_batch():
         scheduler, batch = scheduler_with(mode, rid, mlp_sync)
         sessions.process_step_extends_first(scheduler)
         assert not scheduler.processed and len(scheduler.result_queue) == 1 and scheduler.last_batch is batch
+
+
+@pytest.mark.parametrize("taken", [True, False], ids=["taken", "refused"])
+def test_a_prompt_right_after_a_frame_is_offered_to_its_step(processor, taken):
+    """A prompt arriving while the frame's step has not produced its first token (a client sends it once the frame
+    is accepted) is offered to that step with the rows and allowance of the turn it opens. Taken: one step carries
+    the prompt then the frame, as the reference drains inputs that arrive together (prompts first), and the events
+    are those of that drain (the frame processed in the prompt's turn, the turn change, the prompt processed), the
+    answer in the new turn. Refused (the step's extend had started): the step is interrupted and the next step
+    carries the prompt, as before."""
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+    from mossvl_ascend.realtime.session_api import Frame, SessionConfig
+
+    tokenizer = processor.tokenizer
+    silence = tokenizer.convert_tokens_to_ids("<|silence|>")
+    word = tokenizer("yes", add_special_tokens=False)["input_ids"]
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+
+    async def run():
+        # refused: the frame's step ends on its extend's token (silence here), then the prompt's step answers
+        turns = [[silence], word + [silence]] if taken else [[silence], [silence], word + [silence]]
+        manager = StreamingManager(processor, turns, take_offers=taken)
+        session = await ServedRealtimeEngine(lambda: manager).open(SessionConfig(max_new_tokens=LIMIT))
+        outputs = []
+
+        async def until_parked():
+            while True:
+                output = await asyncio.wait_for(session.outputs.get(), 30)
+                outputs.append(output)
+                if output.kind == "silence":
+                    return
+
+        await until_parked()
+        session.push_frame(Frame(noise_image(1), 0.0, seq_no=0))
+        while len(manager.requests) < 2:
+            await asyncio.sleep(0.001)
+        session.push_prompt("What now?", seq_no=1)
+        await until_parked()
+        if not taken:
+            await until_parked()
+        await session.close()
+        return manager, session, outputs
+
+    manager, session, outputs = asyncio.run(run())
+    prompt_rows = encode(splice_string("What now?"))
+    frame_step = manager.requests[1]
+    (offer,) = manager.offers.values()
+    assert list(manager.offers) == [frame_step.rid] and offer.rows == prompt_rows and offer.max_new_tokens == LIMIT
+    frame_rows = encode("<|vision_start|><|time_start|>0.0 seconds<|time_end|><|image_pad|><|vision_end|>")
+    assert list(frame_step.input_ids) == [silence] + frame_rows
+    seen = [(o.kind, o.seq_no, o.turn_id, o.next_turn_id) for o in outputs if o.kind in ("interrupted", "processed")]
+    texts = {o.turn_id for o in outputs if o.kind == "text"}
+    if taken:
+        assert len(manager.requests) == 3  # the initial prefill, the frame's step, the close
+        assert session.segments[1][0] == prompt_rows + frame_rows, "the step's rows as drained together"
+        assert seen == [("processed", 0, 1, None), ("interrupted", 1, 0, 1), ("processed", 1, 0, 1)]
+    else:
+        prompt_step = manager.requests[2]
+        assert frame_step.rid in manager.interrupts
+        assert list(prompt_step.input_ids) == manager.outputs[1][-1:] + prompt_rows
+        assert session.segments[1][0] == frame_rows and session.segments[2][0] == prompt_rows
+        assert seen == [("processed", 0, 0, None), ("interrupted", 1, 0, 1), ("processed", 1, 0, 1)]
+    assert texts == {1}, "the answer is in the prompt's turn"

@@ -229,3 +229,152 @@ def test_without_queued_steps_admission_is_stock(sessions):
     assert _admitted(sessions, scheduler, free_rows=0) == []
     scheduler = SimpleNamespace(waiting_queue=[_ordinary("chat-1"), _ordinary("chat-2")])
     assert _admitted(sessions, scheduler, free_rows=1) == ["chat-1"]
+
+
+# -- a prompt offered to a step that has not started its extend --
+
+PENDING, FRAME_ROWS, PROMPT_ROWS = 55, [30, 31, PAD, 32], [40, 41, 42, 43, 44]
+KEPT_TEXT = list(range(100, 110))
+
+
+def _scheduler(waiting=(), in_flight=()):
+    hf = SimpleNamespace(image_token_id=PAD, vision_config=SimpleNamespace(spatial_merge_size=2))
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf),
+        token_to_kv_pool_allocator=SimpleNamespace(page_size=128),
+        max_req_len=4096,
+        waiting_queue=list(waiting),
+        chunked_req=None,
+        collect_inflight_reqs=lambda: list(in_flight),
+        tree_cache=_Cache(),
+    )
+
+
+def _continuing_session(sessions, session="s1"):
+    """A session with ten kept text rows (positions 0-9) and its last generated token pending."""
+    import torch
+
+    stream = Stream(session, text_ids=list(KEPT_TEXT), pending=[PENDING], next_position=len(KEPT_TEXT))
+    stream.positions = torch.arange(len(KEPT_TEXT)).expand(3, -1).clone()
+    sessions.streams[session] = stream
+    return stream
+
+
+def _frame_step(session="s1", n=4):
+    """A step carrying the pending token, then one frame's markup (a 4x4 patch grid: 2x2 merged) and 12 tokens."""
+    reasons = []
+    mm = SimpleNamespace(mm_items=[SimpleNamespace(grid_thw=[[1, 4, 4]], pad_value=77)], num_image_tokens=None)
+    return SimpleNamespace(
+        rid=step_rid(session, n),
+        origin_input_ids=[PENDING, *FRAME_ROWS],
+        multimodal_inputs=mm,
+        sampling_params=SimpleNamespace(max_new_tokens=3, custom_params=None),
+        return_logprob=False,
+        output_ids=[],
+        finished=lambda: bool(reasons),
+        to_finish=None,
+        set_finish_with_abort=reasons.append,
+        reasons=reasons,
+    )
+
+
+def _drained_together(rows):
+    """Oracle: the session's rows when its prompt and frame are drained in one segment (prompts first, the
+    reference's order): one encoder page (the frame's 5 vision tokens, padded), the kept text, then the pending
+    token, the prompt, the frame; text positions run on from the kept text's (the frame's 2x2 merged block puts the
+    pad 2 past the row before it)."""
+    import torch
+
+    ids = [77] * 128 + [*KEPT_TEXT, *rows]
+    position = len(KEPT_TEXT)
+    positions = []
+    for token in rows:
+        if token == PAD:
+            position += 2  # the merged grid's max(rows, cols): the pad's position
+        positions.append(position)
+        position += 1
+    return ids, torch.tensor(list(range(len(KEPT_TEXT))) + positions)
+
+
+def _assert_took_the_prompt(req, stream):
+    from mossvl_ascend.realtime.wire import OFFER_TAKEN_KEY, USAGE_INFO_KEY
+
+    rows = [PENDING, *PROMPT_ROWS, *FRAME_ROWS]
+    ids, positions = _drained_together(rows)
+    assert list(req.origin_input_ids) == ids and not req.reasons and req.to_finish is None
+    assert req.multimodal_inputs.mrope_positions[0].tolist() == positions.tolist()
+    # the prompt's rows see no new frame; the pad row and after see it
+    assert req.multimodal_inputs.visible_frame_counts[len(KEPT_TEXT) :].tolist() == [0] * 8 + [1, 1]
+    assert req.sampling_params.max_new_tokens == 64, "the step runs as the turn the prompt opens"
+    assert req.customized_info[USAGE_INFO_KEY][0][OFFER_TAKEN_KEY] == len(PROMPT_ROWS)
+    assert stream.step.plan.rows == rows
+
+
+def _interrupt(sessions, scheduler, rid, offer):
+    from sglang.srt.managers.io_struct import AbortReq
+
+    from mossvl_ascend.patches.realtime_sessions import interrupt_step
+    from mossvl_ascend.realtime.wire import interrupt_message
+
+    stock = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("mossvl_ascend.patches.realtime_sessions.SCHEDULER_SESSIONS", sessions)
+        interrupt_step(
+            lambda s, r: stock.append(r), scheduler, AbortReq(rid=rid, abort_message=interrupt_message(offer))
+        )
+    assert not stock
+
+
+def test_a_queued_step_takes_an_offered_prompt_before_its_frame(sessions):
+    """The interrupt's offer reaches a step still in the waiting queue: it is laid out again as if the prompt had
+    been drained with its frame, and runs as the prompt's turn (not interrupted)."""
+    from mossvl_ascend.realtime.wire import PromptOffer
+
+    stream = _continuing_session(sessions)
+    req = _frame_step()
+    scheduler = _scheduler(waiting=[req])
+    sessions.prepare_step(scheduler, req)
+    assert list(req.origin_input_ids) == [77] * 128 + [*KEPT_TEXT, PENDING, *FRAME_ROWS]
+    _interrupt(sessions, scheduler, req.rid, PromptOffer(PROMPT_ROWS, 64))
+    _assert_took_the_prompt(req, stream)
+
+
+def test_a_step_the_offer_overtook_takes_it_when_it_arrives(sessions):
+    from mossvl_ascend.realtime.wire import PromptOffer
+
+    stream = _continuing_session(sessions)
+    req = _frame_step()
+    scheduler = _scheduler()
+    _interrupt(sessions, scheduler, req.rid, PromptOffer(PROMPT_ROWS, 64))
+    scheduler.waiting_queue.append(req)
+    sessions.prepare_step(scheduler, req)
+    _assert_took_the_prompt(req, stream)
+    assert not sessions.early_interrupts
+
+
+@pytest.mark.parametrize("where", ["in flight", "first step", "another step"])
+def test_an_offer_a_step_cannot_take_interrupts_it(sessions, where):
+    """A step in a forward (its extend under way), a session's first step (its prompt follows the initial rows'
+    first token) and an offer for another step than the queued one: the step is interrupted as without an offer,
+    its rows untouched; the prompts stay with the session for its next step."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    from mossvl_ascend.realtime.wire import OFFER_TAKEN_KEY, USAGE_INFO_KEY, PromptOffer
+
+    stream = _continuing_session(sessions)
+    req = _frame_step()
+    if where == "first step":
+        stream.pending = []
+        req.origin_input_ids = list(FRAME_ROWS)
+    scheduler = _scheduler(in_flight=[req]) if where == "in flight" else _scheduler(waiting=[req])
+    if where == "another step":
+        _interrupt(sessions, scheduler, step_rid("s1", 3), PromptOffer(PROMPT_ROWS, 64))
+    sessions.prepare_step(scheduler, req)
+    laid_out = list(req.origin_input_ids)
+    if where != "another step":
+        _interrupt(sessions, scheduler, req.rid, PromptOffer(PROMPT_ROWS, 64))
+        assert isinstance(req.to_finish, FINISH_LENGTH) and req.sampling_params.max_new_tokens == 1
+    else:
+        assert req.to_finish is None, "an interrupt for another step leaves this one alone"
+    assert list(req.origin_input_ids) == laid_out and not set(PROMPT_ROWS) & set(laid_out)
+    assert req.customized_info[USAGE_INFO_KEY][0][OFFER_TAKEN_KEY] == 0

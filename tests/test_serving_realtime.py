@@ -198,7 +198,9 @@ def large_noise_image(seed: int) -> Image.Image:
 async def barge_in_session(engine):
     """Turns run to their allowance (benchmark mode: `<|silence|>` does not end them), so input lands mid-turn: a
     prompt pushed as soon as a frame's step is sent, before it produced any token (its extend under way),
-    interrupts it (barge-in); a frame pushed mid-turn later continues the turn."""
+    interrupts it (barge-in); a frame pushed mid-turn later continues the turn. The prompt comes with a frame of its
+    own (a subtitle): a prompt alone may instead join a step that has not started its extend
+    (`test_a_prompt_right_after_a_frame_joins_its_step`)."""
     from mossvl_ascend.realtime.engine import ServedRealtimeEngine
     from mossvl_ascend.realtime.session_api import Frame, SessionConfig
     from mossvl_ascend.realtime.wire import step_rid
@@ -223,7 +225,7 @@ async def barge_in_session(engine):
     while session.running_rid != step_rid(session.session_id, 1):
         await asyncio.sleep(0.0005)
     tokens_before_the_prompt = len(session.generated)
-    session.push_prompt("What moved?")
+    session.push_frame(Frame(noise_image(4), 0.5), prompt="What moved?")
     await until("interrupted")
     await until("turn_done")
     session.push_frame(Frame(noise_image(2), 1.0))
@@ -251,12 +253,68 @@ def test_a_prompt_barges_into_a_served_turn(realtime_checkpoint):
     assert allowances[2] == TURN_LIMIT
     assert allowances[3] + allowances[4] == TURN_LIMIT
     model, processor = load_reference(realtime_checkpoint)
-    images = {0.0: large_noise_image(1), 1.0: noise_image(2), 1.5: noise_image(3)}
+    images = {0.0: large_noise_image(1), 0.5: noise_image(4), 1.0: noise_image(2), 1.5: noise_image(3)}
     assert replay_mismatches(model, processor, session.segments, session.generated, images) == []
     # The oracle can fail: one token changed in the prompt's turn is caught.
     start = sum(allowances[:2])
     altered = [*session.generated[:start], session.generated[start] + 1, *session.generated[start + 1 :]]
     assert replay_mismatches(model, processor, session.segments, altered, images)
+
+
+async def prompt_after_frame_session(engine):
+    """A frame, then a prompt as soon as the frame's step is sent (a client sends it once the frame is accepted),
+    while the scheduler holds its batches (stock's in-place pause, sent on the socket the step and the interrupt take,
+    so the scheduler receives them in that order): the step is queued, or not there yet, when the prompt reaches the
+    scheduler, as when other sessions' forwards run."""
+    from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
+
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+    from mossvl_ascend.realtime.session_api import Frame, SessionConfig
+    from mossvl_ascend.realtime.wire import step_rid
+
+    session = await ServedRealtimeEngine(lambda: engine.tokenizer_manager).open(
+        SessionConfig(max_new_tokens=TURN_LIMIT)
+    )
+    outputs = []
+
+    async def settle():
+        while True:
+            output = await asyncio.wait_for(session.outputs.get(), WAIT)
+            outputs.append(output)
+            assert output.kind not in ("error", "closed"), output
+            if output.kind in ("silence", "turn_done") and not session.pending_inputs:
+                return
+
+    await settle()
+    manager = engine.tokenizer_manager
+    manager._dispatch_to_scheduler(PauseGenerationReqInput(mode="in_place"))
+    session.push_frame(Frame(noise_image(1), 0.0, seq_no=0))
+    while session.running_rid != step_rid(session.session_id, 1):
+        await asyncio.sleep(0.0005)
+    session.push_prompt("What moved?", seq_no=1)
+    manager._dispatch_to_scheduler(ContinueGenerationReqInput(torch_empty_cache=False))
+    await settle()
+    await session.close()
+    return session, outputs
+
+
+def test_a_prompt_right_after_a_frame_joins_its_step(realtime_checkpoint):
+    """On the engine (overlap scheduling on), a prompt that reaches the scheduler before the frame's step started its
+    extend is taken by that step: one step holds the prompt then the frame, the rows the reference drains when both
+    are pending (prompts first), where an interrupt would cost a second extend. Oracle: the rows written out
+    literally (`support.realtime`), the step replayed through the reference stream, and the turn announced as for a
+    drained prompt."""
+    from support.realtime import frame_string, splice_string
+
+    session, outputs = run_engine(realtime_checkpoint, prompt_after_frame_session, disable_overlap_schedule=False)
+    tokenizer = AutoProcessor.from_pretrained(realtime_checkpoint, trust_remote_code=True).tokenizer
+    rows = tokenizer(splice_string("What moved?") + frame_string(0.0), add_special_tokens=False)["input_ids"]
+    assert len(session.segments) == 2, "the initial turn, then one step for the frame and the prompt"
+    assert session.segments[1][:2] == (rows, [0.0])
+    events = [(o.kind, o.seq_no, o.turn_id, o.next_turn_id) for o in outputs if o.kind in ("interrupted", "processed")]
+    assert events == [("processed", 0, 1, None), ("interrupted", 1, 0, 1), ("processed", 1, 0, 1)]
+    model, processor = load_reference(realtime_checkpoint)
+    assert replay_mismatches(model, processor, session.segments, session.generated, {0.0: noise_image(1)}) == []
 
 
 RATE = 10.0

@@ -15,7 +15,7 @@ from sglang.srt.plugins.hook_registry import HookType
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 from mossvl_ascend.realtime.engine import step_processor_output
 from mossvl_ascend.realtime.sessions import SCHEDULER_SESSIONS
-from mossvl_ascend.realtime.wire import INTERRUPT_MESSAGE, parse_step_rid
+from mossvl_ascend.realtime.wire import parse_interrupt, parse_step_rid
 
 
 def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
@@ -78,10 +78,12 @@ def step_extend_results_first(scheduler, *args: Any, **kwargs: Any) -> None:
 
 def interrupt_step(original: Callable, scheduler, recv_req, *args: Any, **kwargs: Any):
     """AROUND ``Scheduler.abort_request``: an abort carrying the interrupt marker ends a realtime step now as a
-    normal finish (its KV stays with the session); any other abort is stock's."""
-    if getattr(recv_req, "abort_message", None) != INTERRUPT_MESSAGE or parse_step_rid(recv_req.rid) is None:
+    normal finish (its KV stays with the session), or, when it offers prompts and the step's extend has not started,
+    gives the step their rows; any other abort is stock's."""
+    is_interrupt, offer = parse_interrupt(getattr(recv_req, "abort_message", None))
+    if not is_interrupt or parse_step_rid(recv_req.rid) is None:
         return original(scheduler, recv_req, *args, **kwargs)
-    SCHEDULER_SESSIONS.interrupt(scheduler, recv_req.rid)
+    SCHEDULER_SESSIONS.interrupt(scheduler, recv_req.rid, offer)
     return None
 
 
@@ -169,7 +171,7 @@ PATCHES = (
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
     ),
     Patch(
-        title="MOSS-VL-Realtime: an interrupt ends a step when it arrives, keeping its KV",
+        title="MOSS-VL-Realtime: an interrupt ends a step when it arrives, keeping its KV, or gives it the prompts",
         target="sglang.srt.managers.scheduler.Scheduler.abort_request",
         kind=HookType.AROUND,
         hook=interrupt_step,
@@ -183,7 +185,10 @@ PATCHES = (
             "token limit to the token under way and sets its `to_finish` to a length finish (queued, chunked or in "
             "flight; one that the interrupt overtook, when it arrives): the forward under way gives its last token, "
             "and stock's overlap loop leaves a request finishing by length out of the next decode batch. Other "
-            "aborts go to stock"
+            "aborts go to stock. An interrupt whose message also carries a prompt offer (the prompts' rows and the "
+            "turn's token limit) gives a step still in the waiting queue, or not here yet, those rows after its first "
+            "row and the limit, laid out again (one extend where the runner drains inputs arriving together in one "
+            "forward); a step already in a forward is interrupted as above, its prompts drained by the next step"
         ),
         upstream="not in sglang",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",

@@ -9,6 +9,11 @@ generation masks every ``<|...|>`` control token but ``<|silence|>`` and stops a
 limit, and the session parks until input arrives. Each segment is one engine step (one request whose rows are the
 segment, behind the token generated last); the scheduler keeps the K/V between steps.
 
+Input arriving while a step runs interrupts it: the token under way is its last, and the input is drained by the next
+step. Prompts alone are offered to the step with the interrupt: a step that has not started its extend takes them
+(their rows go right after its first row, the turn they open is the step's), so a question sent just after its frame
+costs one extend, as in the reference, which drains inputs that arrive together in one forward.
+
 A rate cap (``max_tokens_per_turn``, generated tokens per second, the upstream name): each token is then a step of
 its own, the next one due 1/rate later, input drained between them, as the reference loop paces itself.
 
@@ -47,9 +52,11 @@ from mossvl_ascend.realtime.session_api import (
 from mossvl_ascend.realtime.wire import (
     CLOSE_STEP,
     CONTEXT_EXHAUSTED,
-    INTERRUPT_MESSAGE,
+    OFFER_TAKEN_KEY,
     USAGE_INFO_KEY,
     WINDOW_STARTS_PARAM,
+    PromptOffer,
+    interrupt_message,
     step_rid,
     usage_after,
 )
@@ -226,7 +233,10 @@ class ServedSession:
         # Every step: its rows, its frames' timestamps, the tokens it generated (enough to replay the stream).
         self.segments: list[tuple[list[int], list[float], int]] = []
         self.running_rid: Optional[str] = None
+        self.running_len = 0  # the running step's token ids (what an offer's rows add to)
+        self.running_takes_prompts = False  # it continues the session (not its initial prefill)
         self.interrupt_sent = False  # the running step was asked to end
+        self.offered: list[tuple[str, Optional[int]]] = []  # prompts its interrupt offered it (see PromptOffer)
         # Every step of a session runs on the data-parallel rank that holds its KV.
         dp_size = getattr(manager.server_args, "dp_size", 1) or 1
         self.dp_rank = int(self.session_id, 16) % dp_size if dp_size > 1 else None
@@ -260,15 +270,28 @@ class ServedSession:
         self._interrupt_running_step()
 
     def _interrupt_running_step(self) -> None:
-        """Ask the scheduler to end the running step (once per step): the token under way is its last."""
+        """Ask the scheduler to end the running step (once per step): the token under way is its last. When only
+        prompts are pending they are offered to the step: one that has not started its extend takes them (see
+        :class:`~mossvl_ascend.realtime.wire.PromptOffer`) and the step's first output says so; else they are
+        drained by the next step."""
         from sglang.srt.managers.io_struct import AbortReq
 
         if self.running_rid is None or self.interrupt_sent:
             return
         self.interrupt_sent = True
+        offer = None
+        if self.prompts and not self.frames and self.running_takes_prompts:
+            self.offered, self.prompts = self.prompts, []
+            rows = self._encode(self._prompt_text(self.offered))
+            room = self.engine.tokenizer_manager.context_len - self.running_len - len(rows) - 1
+            offer = PromptOffer(rows, max(1, min(self._new_turn_allowance(), room)))
         self.engine.tokenizer_manager._dispatch_to_scheduler(
-            AbortReq(rid=self.running_rid, abort_message=INTERRUPT_MESSAGE)
+            AbortReq(rid=self.running_rid, abort_message=interrupt_message(offer))
         )
+
+    def _new_turn_allowance(self) -> int:
+        """The tokens a step opening a turn may generate: the turn's limit, or one with a rate cap."""
+        return 1 if self.config.max_tokens_per_turn else self.config.max_new_tokens
 
     def _check_prompt_fits(self, prompt: str) -> None:
         """A prompt no session could hold is refused as a bad input (the session goes on); one that only overfills
@@ -280,7 +303,7 @@ class ServedSession:
 
     @property
     def pending_inputs(self) -> int:
-        return len(self.prompts) + len(self.frames)
+        return len(self.prompts) + len(self.frames) + len(self.offered)
 
     async def close(self) -> None:
         """End the session: a running step is aborted (its KV freed with the session's), then every slot freed."""
@@ -311,7 +334,10 @@ class ServedSession:
                 # With a rate cap each token is a step of its own, spaced 1/rate apart, input drained between them
                 # (the reference loop paces the same way).
                 allowance = 1 if rate else self.config.max_new_tokens - turn_tokens
+                turn_id = self.turn_id
                 last, generated, interrupted = await self._step(rows, frames, inputs, ready=first, allowance=allowance)
+                if self.turn_id != turn_id:  # the step took offered prompts: it ran as the turn they opened
+                    turn_tokens, next_due = 0, clock()
                 first, turn_tokens = False, turn_tokens + generated
                 if rate:
                     next_due = max(next_due + generated / rate, clock())
@@ -374,18 +400,41 @@ class ServedSession:
         whether the model was speaking or silent (the real server announces each one)."""
         prompts, self.prompts = self.prompts, []
         frames, self.frames = sorted(self.frames, key=lambda f: f.timestamp), []
-        text = "".join(prompt_splice(prompt) for prompt, _ in prompts)
-        if prompts:
-            text += SILENCE_TOKEN
-        inputs = []
-        for _, seq_no in prompts:
-            inputs.append(DrainedInput(seq_no, (self.turn_id, self.turn_id + 1)))
-            self.turn_id += 1
+        text = self._prompt_text(prompts)
+        inputs = self._open_turns(prompts)
         text += "".join(frame_markup(frame.timestamp) for frame in frames)
         opened = {entry.seq_no for entry in inputs}
         inputs += [DrainedInput(f.seq_no) for f in frames if f.seq_no is not None and f.seq_no not in opened]
         inputs.sort(key=lambda entry: -1 if entry.seq_no is None else entry.seq_no)
         return self._encode(text), frames, inputs
+
+    @staticmethod
+    def _prompt_text(prompts: list[tuple[str, Optional[int]]]) -> str:
+        """A segment's prompts: each spliced as a user/assistant pair, then one ``<|silence|>`` opener."""
+        return "".join(prompt_splice(prompt) for prompt, _ in prompts) + (SILENCE_TOKEN if prompts else "")
+
+    def _open_turns(self, prompts: list[tuple[str, Optional[int]]]) -> list["DrainedInput"]:
+        """Each prompt closes the turn and opens the next."""
+        inputs = []
+        for _, seq_no in prompts:
+            inputs.append(DrainedInput(seq_no, (self.turn_id, self.turn_id + 1)))
+            self.turn_id += 1
+        return inputs
+
+    def _take_offered(self, inputs: list["DrainedInput"], taken: int) -> tuple[list[int], list["DrainedInput"]]:
+        """The running step took the ``taken`` rows of the offered prompts before its extend: the old turn's text
+        ends, their turns open, and the step is no longer interrupted (input arriving meanwhile interrupts it now).
+        -> (their rows, the step's inputs with theirs, in order)."""
+        prompts, self.offered = self.offered, []
+        rows = self._encode(self._prompt_text(prompts))
+        if taken != len(rows):
+            raise RuntimeError(f"the step took {taken} offered rows, not the {len(rows)} offered")
+        self._flush_text()
+        opened = self._open_turns(prompts)
+        self.interrupt_sent = False
+        if self.pending_inputs:
+            self._interrupt_running_step()
+        return rows, sorted(inputs + opened, key=lambda entry: -1 if entry.seq_no is None else entry.seq_no)
 
     def _patches(self, frames: list[Frame]):
         import torch
@@ -421,6 +470,7 @@ class ServedSession:
         )
         seen = 0
         self.running_rid, self.interrupt_sent = rid, False
+        self.running_len, self.running_takes_prompts = len(input_ids), not ready
         if self.pending_inputs:  # arrived after this step's inputs were drained
             self._interrupt_running_step()
         manager = self.engine.tokenizer_manager
@@ -430,6 +480,9 @@ class ServedSession:
                 if ids and seen < len(ids):
                     self._put_usage(chunk, len(ids))
                 if seen == 0 and ids:
+                    if self.offered and self._account(chunk).get(OFFER_TAKEN_KEY):
+                        taken, inputs = self._take_offered(inputs, self._account(chunk)[OFFER_TAKEN_KEY])
+                        rows, allowance = taken + rows, self._new_turn_allowance()
                     if ready:
                         self.outputs.put_nowait(Output(READY))
                     self._put_processed(inputs)
@@ -446,11 +499,13 @@ class ServedSession:
                     raise RealtimeError(code, message)
         finally:
             self.running_rid = None
+            self.prompts[:0], self.offered = self.offered, []  # not taken: drained by the next step, first
         if not seen:
             raise RealtimeError("session_aborted", f"step {rid} produced no token")
         self.segments.append((rows, [frame.timestamp for frame in frames], seen))
         last = self.generated[-1]
-        # An interrupt that lost the race with the turn's own end (silence, the limit) changed nothing.
+        # An interrupt that lost the race with the turn's own end (silence, the limit) changed nothing; one whose
+        # prompts the step took did not end it.
         interrupted = self.interrupt_sent and not self._ends_turn(last) and seen < allowance
         return last, seen, interrupted
 
@@ -467,14 +522,19 @@ class ServedSession:
                 turn, opened = entry.turn if entry.turn is not None else (self.turn_id, None)
                 self.outputs.put_nowait(Output(PROCESSED, seq_no=entry.seq_no, turn_id=turn, next_turn_id=opened))
 
+    @staticmethod
+    def _account(chunk: dict) -> dict:
+        """The scheduler's account of the step at its start (:data:`USAGE_INFO_KEY`), {} when absent."""
+        accounts = chunk.get("meta_info", {}).get(USAGE_INFO_KEY) or []
+        return accounts[0] if accounts else {}
+
     def _put_usage(self, chunk: dict, generated: int) -> None:
         """The session's context use once this step generated ``generated`` tokens, from the scheduler's account at
-        the step's start (:data:`USAGE_INFO_KEY`); the real server's fields, plus the KV slots held (``kv_tokens``,
-        what ``/v1/loads`` counts for the session)."""
-        accounts = chunk.get("meta_info", {}).get(USAGE_INFO_KEY) or []
-        if not accounts or not self.config.include_usage:
-            return
-        self.outputs.put_nowait(Output(USAGE, usage=usage_after(accounts[0], generated)))
+        the step's start; the real server's fields, plus the KV slots held (``kv_tokens``, what ``/v1/loads`` counts
+        for the session)."""
+        account = self._account(chunk)
+        if account and self.config.include_usage:
+            self.outputs.put_nowait(Output(USAGE, usage=usage_after(account, generated)))
 
     def _ends_turn(self, token: int) -> bool:
         """``<|silence|>`` ends a turn, except in benchmark mode (``ignore_eos``: a turn runs to its allowance)."""

@@ -43,9 +43,11 @@ from mossvl_ascend.realtime.step_plan import StepPlan, frame_ends_after, plan_st
 from mossvl_ascend.realtime.wire import (
     CLOSE_STEP,
     CONTEXT_EXHAUSTED,
+    OFFER_TAKEN_KEY,
     RID_PREFIX,
     USAGE_INFO_KEY,
     WINDOW_STARTS_PARAM,
+    PromptOffer,
     parse_step_rid,
     whole_pages,
 )
@@ -81,6 +83,20 @@ class Stream:
         return self.slot is not None and self.slot.kv.holds_kv
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What a step's request brought: its new rows (the token generated last, then its segment), each new frame's
+    merged grid, per new frame the window's first frame (None without a window)."""
+
+    rows: list[int]
+    grids: list[tuple[int, int]]
+    window_starts: Optional[list[int]]
+
+    def with_prompts(self, pending: int, offer: PromptOffer) -> "StepInputs":
+        """The offered prompts' rows after the ``pending`` first rows (the token generated last)."""
+        return StepInputs(self.rows[:pending] + offer.rows + self.rows[pending:], self.grids, self.window_starts)
+
+
 @dataclass
 class RunningStep:
     rid: str
@@ -89,6 +105,7 @@ class RunningStep:
     vision_tokens: int
     prepared: bool = False  # its row rewrite ran (match_prefix runs again for every scheduling attempt)
     new_vision_from: int = 0  # the first vision token this step writes
+    inputs: Optional[StepInputs] = None  # what its request brought (to lay it out again with offered prompts)
 
 
 @dataclass(frozen=True)
@@ -116,7 +133,8 @@ class RealtimeSessions:
     def __init__(self) -> None:
         self.streams: dict[str, Stream] = {}
         self.evicted: dict[str, str] = {}
-        self.early_interrupts: dict[str, str] = {}  # session id -> the rid of a step interrupted before it arrived
+        # session id -> (the rid of a step interrupted before it arrived, the prompts the interrupt offered it)
+        self.early_interrupts: dict[str, tuple[str, Optional[PromptOffer]]] = {}
 
     # -- which request is ours --
 
@@ -171,22 +189,39 @@ class RealtimeSessions:
             grid = torch.as_tensor(mm.mm_items[0].grid_thw).reshape(-1, 3)
             grids = [(int(h) // merge, int(w) // merge) for _, h, w in grid.tolist()]
             stream.pad_value = mm.mm_items[0].pad_value
-        image_token_id = scheduler.model_config.hf_config.image_token_id
+        if mm is None:
+            from sglang.srt.managers.schedule_batch import MultimodalInputs
+
+            req.multimodal_inputs = MultimodalInputs(mm_items=[])
         window_starts = (req.sampling_params.custom_params or {}).get(WINDOW_STARTS_PARAM)
         stream.windowed = stream.windowed or window_starts is not None
+        inputs = StepInputs(new_rows, grids, window_starts if grids else None)
+        early = self.early_interrupts.pop(session_id, None)
+        rid, offer = early if early is not None else (None, None)
+        if rid == req.rid and offer is not None and stream.pending:  # the first step has no prompts before it
+            self._plan(scheduler, req, stream, inputs.with_prompts(len(stream.pending), offer), offer)
+        elif self._plan(scheduler, req, stream, inputs) and rid == req.rid:
+            _finish_at_the_next_result(req)
+
+    def _plan(self, scheduler, req, stream: Stream, inputs: "StepInputs", offer: Optional[PromptOffer] = None) -> bool:
+        """Lay out step ``req`` as its session's whole sequence from its new rows and frames (``inputs``; with
+        ``offer``, which they already hold, the turn its prompts open): ids, positions, frame visibility, the
+        context account. False when the step is refused (aborted with the reason)."""
+        session_id = stream.session_id
+        image_token_id = scheduler.model_config.hf_config.image_token_id
         try:
             plan = plan_step(
-                new_rows,
-                grids,
+                inputs.rows,
+                inputs.grids,
                 image_token_id,
                 stream.next_position,
                 len(stream.frame_ends),
                 stream.window_start,
-                window_starts if grids else None,
+                inputs.window_starts,
             )
         except ValueError as error:
             req.set_finish_with_abort(str(error))
-            return
+            return False
         page = _page_size(scheduler)
         vision_tokens = stream.vision_tokens + sum(plan.frame_lens)
         needed = encoder_row_len(vision_tokens, ACTIVE_LAYOUT.bands_or_one())
@@ -204,13 +239,11 @@ class RealtimeSessions:
                 f"{text_rows - len(plan.rows)} text rows; its next {len(plan.rows)} rows and a token exceed the "
                 f"context ({context_limit} positions)"
             )
-            return
+            return False
+        if offer is not None:
+            req.sampling_params.max_new_tokens = offer.max_new_tokens
         req.sampling_params.max_new_tokens = min(req.sampling_params.max_new_tokens, room)
-        from sglang.srt.managers.schedule_batch import MultimodalInputs
-
-        if mm is None:
-            mm = MultimodalInputs(mm_items=[])
-            req.multimodal_inputs = mm
+        mm = req.multimodal_inputs
         ids = array("q", [stream.pad_value] * encoder_rows)
         ids.extend(stream.text_ids)
         ids.extend(plan.rows)
@@ -236,9 +269,10 @@ class RealtimeSessions:
         mm.vision_position_ids = plan.vision_positions
         if vision_tokens > stream.vision_tokens:
             side_channel.STEP_NEW_VISION.set(mm, NewVision(first=stream.vision_tokens, text_from=len(stream.text_ids)))
-        stream.step = RunningStep(req.rid, plan, encoder_rows, vision_tokens, new_vision_from=stream.vision_tokens)
-        if self.early_interrupts.pop(session_id, None) == req.rid:
-            _finish_at_the_next_result(req)
+        prepared = stream.step is not None and stream.step.rid == req.rid and stream.step.prepared
+        stream.step = RunningStep(
+            req.rid, plan, encoder_rows, vision_tokens, prepared, stream.vision_tokens, inputs=inputs
+        )
         req.customized_info = {
             USAGE_INFO_KEY: [
                 {
@@ -248,25 +282,44 @@ class RealtimeSessions:
                     "encoder_kv_tokens": vision_tokens,
                     "context_limit": context_limit,
                     "page_size": page,
+                    OFFER_TAKEN_KEY: len(offer.rows) if offer is not None else 0,
                 }
             ]
         }
+        return True
 
     # -- barge-in --
 
-    def interrupt(self, scheduler, rid: str) -> None:
+    def interrupt(self, scheduler, rid: str, offer: Optional[PromptOffer] = None) -> None:
         """End step ``rid`` now, as a normal finish (its KV stays with the session): the token of a forward already
         under way when the interrupt arrives is its last (a step in its extend keeps the extend's token); a forward
         the scheduler launches later for it is discarded (stock drops the result of a request finished under
         overlap scheduling), so no token decoded after the interrupt is sent or kept. A step still queued ends after
-        its extend; one not here yet (the interrupt overtook it) is ended when it arrives."""
+        its extend; one not here yet (the interrupt overtook it) is ended when it arrives.
+
+        With a prompt ``offer``, a step whose extend has not started (queued, or not here yet) takes the prompts'
+        rows instead and runs on as the turn they open: one extend for the step's inputs and the prompts, as the
+        reference drains inputs that arrive together, where an interrupt costs a second extend after the first."""
         for req in self._queued_or_in_flight(scheduler):
             if req.rid == rid and not req.finished():
-                _finish_at_the_next_result(req)
+                if offer is None or not self._take_offer(scheduler, req, offer):
+                    _finish_at_the_next_result(req)
                 return
         parsed = parse_step_rid(rid)
         if parsed is not None and parsed[0] in self.streams:
-            self.early_interrupts[parsed[0]] = rid
+            self.early_interrupts[parsed[0]] = (rid, offer)
+
+    def _take_offer(self, scheduler, req, offer: PromptOffer) -> bool:
+        """A queued step (in the waiting queue: no part of its extend ran) laid out again with the offered prompts'
+        rows; False when it is not such a step."""
+        stream = self.stream_of(req)
+        step = stream.step if stream is not None else None
+        if step is None or step.rid != req.rid or req.to_finish is not None or not stream.pending:
+            return False
+        if not any(queued is req for queued in scheduler.waiting_queue):
+            return False
+        logger.info("realtime step %s takes %d offered prompt rows before its extend", req.rid, len(offer.rows))
+        return self._plan(scheduler, req, stream, step.inputs.with_prompts(len(stream.pending), offer), offer)
 
     @staticmethod
     def _queued_or_in_flight(scheduler) -> list:

@@ -8,6 +8,10 @@ A session is driven as a chain of ordinary requests, one per **step** (rid ``mos
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from typing import Optional
+
 RID_PREFIX = "mossvl-realtime:"
 # The abort message that asks a running step to end at its next token, keeping its KV (barge-in).
 INTERRUPT_MESSAGE = "mossvl-realtime-interrupt"
@@ -17,9 +21,45 @@ WINDOW_STARTS_PARAM = "mossvl_window_first_frames"
 # The abort message of a step its session's context cannot hold (the session is full; the client's error code
 # `context_exhausted`, the real server's).
 CONTEXT_EXHAUSTED = "realtime context exhausted"
+# An interrupt may offer the step the rows of prompts that arrived while it ran (:class:`PromptOffer`): the
+# interrupt's message is then the marker, this separator, and the offer as JSON.
+OFFER_SEPARATOR = " offer "
 # A step's ``customized_info`` key (reaches the HTTP side in its first output's ``meta_info``): the session's context
 # account when the step starts (:func:`usage_after`).
 USAGE_INFO_KEY = "mossvl_realtime_context"
+# In that account: how many rows of an interrupt's prompt offer the step took (0: none; its prompts stay pending).
+OFFER_TAKEN_KEY = "offered_rows_taken"
+
+
+@dataclass(frozen=True)
+class PromptOffer:
+    """Prompts for a step that has not started its extend: their rows (each prompt's splice, then the
+    ``<|silence|>`` opener) go right after the step's first row, the token generated last, as if they had been
+    drained with the step's own inputs (prompts before frames, the reference's order), and the step then runs as
+    the turn they open, with ``max_new_tokens``. A step already under way is interrupted instead."""
+
+    rows: list[int]
+    max_new_tokens: int
+
+
+def interrupt_message(offer: Optional[PromptOffer] = None) -> str:
+    if offer is None:
+        return INTERRUPT_MESSAGE
+    fields = {"rows": offer.rows, "max_new_tokens": offer.max_new_tokens}
+    return INTERRUPT_MESSAGE + OFFER_SEPARATOR + json.dumps(fields)
+
+
+def parse_interrupt(message) -> tuple[bool, Optional[PromptOffer]]:
+    """(is it an interrupt, the prompt offer it carries if any) of an abort message."""
+    if not isinstance(message, str) or not message.startswith(INTERRUPT_MESSAGE):
+        return False, None
+    rest = message[len(INTERRUPT_MESSAGE) :]
+    if not rest:
+        return True, None
+    if not rest.startswith(OFFER_SEPARATOR):
+        return False, None
+    fields = json.loads(rest[len(OFFER_SEPARATOR) :])
+    return True, PromptOffer([int(row) for row in fields["rows"]], int(fields["max_new_tokens"]))
 
 
 def whole_pages(tokens: int, page_size: int) -> int:
