@@ -1,5 +1,5 @@
 """Realtime video sessions served by the engine (``WS /v1/video/realtime`` of ``python -m sglang.launch_server``)
-against the transformers reference session, on CPU, fp32 on both sides (``--dtype float32``).
+against the transformers reference session, on CPU, in one dtype on both sides (``--dtype``, default float32).
 
 Workload: N concurrent sessions (``--sessions``, default 1 2 4 8) at F frames per second (``--fps``, default 1 2)
 over a ``--seconds`` stream (default 8). Frames are pushed on a real-time clock: frame k at t0 + k/F (t0 common to
@@ -51,7 +51,7 @@ in and a warning says so), then ``prompt_first_token_ms=`` / ``runner_prompt_fir
 and the same at 2 fps (``..._2fps=``), nan where not measured.
 
 Run (CPU): .venv/bin/python benchmarks/bench_realtime.py [--quick] [--sessions 1 2 4 8] [--fps 1 2] [--seconds 8]
-    [--prompt-with-frame] [--trace]
+    [--dtype float32|bfloat16] [--prompt-with-frame] [--trace]
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ PROMPT_AFTER = 2  # the prompt follows the third frame
 TOLERANCE = 0.5  # of a frame interval, on top of one interval (see "keeps up")
 DRAIN_S = 120.0  # after the last push: the longest wait for the backlog to be processed
 # The pool must hold one full context per the engine's open check; 8192 is far more than a stream here grows to.
-SERVER_ARGS = ["--dtype", "float32", "--max-total-tokens", "32768", "--context-length", "8192"]
+SERVER_ARGS = ["--max-total-tokens", "32768", "--context-length", "8192"]
 CONTROL_PIECE = re.compile(r"^<\|[^|]+\|>$")
 
 
@@ -237,7 +237,7 @@ def reference_runs(checkpoint: Path, args, frames_of) -> list[Run]:
 
     torch.set_grad_enabled(False)
     model = AutoModelForCausalLM.from_pretrained(
-        checkpoint, trust_remote_code=True, dtype=torch.float32, attn_implementation="sdpa"
+        checkpoint, trust_remote_code=True, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
     ).eval()
     processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
     warm_up = reference_run(model, processor, args, max(args.fps), PROMPT_AFTER + 2)
@@ -389,7 +389,7 @@ def server_peak_mib(server: SglangServer) -> float:
 
 def engine_runs(checkpoint: Path, args, frames_of) -> list[Run]:
     runs = []
-    with SglangServer(checkpoint, extra_args=SERVER_ARGS, name="bench-realtime") as server:
+    with SglangServer(checkpoint, extra_args=["--dtype", args.dtype, *SERVER_ARGS], name="bench-realtime") as server:
         logger.info("server up in %.1f s (log: %s)", server.startup_seconds, server.log_path)
         warm_up = engine_run(server, args, 1, max(args.fps), PROMPT_AFTER + 2)
         if warm_up.failed:
@@ -464,7 +464,7 @@ def describe(checkpoint: Path, args) -> str:
     text, vision = config.text_config, config.vision_config
     tokens = (args.size // vision.patch_size // vision.spatial_merge_size) ** 2
     return (
-        f"{checkpoint.name} (fp32, CPU): text {text.hidden_size}x{text.num_hidden_layers} layers "
+        f"{checkpoint.name} ({args.dtype}, CPU): text {text.hidden_size}x{text.num_hidden_layers} layers "
         f"(cross-attention {list(text.cross_attention_layers)}), vision {vision.hidden_size}x{vision.depth}; "
         f"frames {args.size}x{args.size} noise ({tokens} vision tokens each), {args.seconds:g} s stream, prompt "
         f"after frame {PROMPT_AFTER + 1}, {args.max_new_tokens} new tokens per turn at most; "
@@ -489,6 +489,12 @@ def main(argv=None) -> int:
         choices=sorted(tiny_checkpoint.PRESETS),
         default="bench",
         help="checkpoint preset, served as a realtime checkpoint (default bench: bench-realtime)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and activations on both sides (default float32; bfloat16 uses the CPU's bf16 kernels)",
     )
     parser.add_argument("--size", type=int, default=128, help="frame side in pixels (default 128: 16 vision tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="token limit of one turn (default 64)")

@@ -122,15 +122,13 @@ def served_turn_texts(client) -> list[str]:
     return turns
 
 
-def replay_mismatches(model, processor, segments, generated, images, frame_window_seconds=None) -> list[str]:
+def replay_logits(model, processor, segments, generated, images, frame_window_seconds=None) -> list:
     """Replay a served session's steps through the reference stream (``RealtimeStream``): for each step its rows
-    (behind the last token generated) and frames, then each token it generated. Every generated token must be the
-    reference's greedy pick under the generation mask, whatever step boundaries the served timing made (a barge-in
-    ends a step early). ``segments``: (rows, frame timestamps, number of tokens generated) per step; ``generated``:
-    every generated token in order; ``images``: timestamp -> PIL image. -> the mismatches (none: exact)."""
+    (behind the last token generated) and frames, then each token it generated (teacher-forced, whatever step
+    boundaries the served timing made: a barge-in ends a step early). ``segments``: (rows, frame timestamps, number
+    of tokens generated) per step; ``generated``: every generated token in order; ``images``: timestamp -> PIL
+    image. -> per generated token, the reference's logits (float64) before it, under the generation mask."""
     import sys
-
-    import torch
 
     # The checkpoint's own realtime module (remote code): its stream recognises the model's cross-attention layers.
     stream = model.create_realtime_session(processor, frame_window_seconds=frame_window_seconds).stream
@@ -139,8 +137,8 @@ def replay_mismatches(model, processor, segments, generated, images, frame_windo
     silence = tokenizer.convert_tokens_to_ids("<|silence|>")
     control = {i for t, i in tokenizer.get_added_vocab().items() if t.startswith("<|") and t.endswith("|>")}
     masked = sorted(control - {silence})
-    pending, mismatches, tokens = [], [], iter(generated)
-    for index, (rows, timestamps, count) in enumerate(segments):
+    pending, chosen, tokens = [], [], iter(generated)
+    for rows, timestamps, count in segments:
         step_tokens = [next(tokens) for _ in range(count)]
         frames = []
         for ts in timestamps:
@@ -148,12 +146,32 @@ def replay_mismatches(model, processor, segments, generated, images, frame_windo
             frames.append(StreamFrame(pixels, grid, ts))
         logits = stream.append(pending + list(rows), frames)
         for k, token in enumerate(step_tokens):
-            choice = logits.clone()
+            choice = logits.double().clone()
             choice[masked] = float("-inf")
             choice[len(tokenizer) :] = float("-inf")
-            if int(torch.argmax(choice)) != token:
-                mismatches.append(f"step {index} token {k}: served {token}, reference {int(torch.argmax(choice))}")
+            chosen.append(choice)
             if k < len(step_tokens) - 1:
                 logits = stream.append([token], [])
         pending = step_tokens[-1:]
-    return mismatches
+    return chosen
+
+
+def replay_mismatches(model, processor, segments, generated, images, frame_window_seconds=None) -> list[str]:
+    """Every generated token must be the reference's greedy pick in the replay (:func:`replay_logits`). -> the
+    mismatches (none: exact)."""
+    import torch
+
+    logits = replay_logits(model, processor, segments, generated, images, frame_window_seconds)
+    return [
+        f"token {k}: served {token}, reference {int(torch.argmax(choice))}"
+        for k, (choice, token) in enumerate(zip(logits, generated, strict=True))
+        if int(torch.argmax(choice)) != token
+    ]
+
+
+def replay_logprobs(model, processor, segments, generated, images) -> list[float]:
+    """Each generated token's log-probability in the replay (:func:`replay_logits`)."""
+    import torch
+
+    logits = replay_logits(model, processor, segments, generated, images)
+    return [float(torch.log_softmax(choice, dim=-1)[token]) for choice, token in zip(logits, generated, strict=True)]
