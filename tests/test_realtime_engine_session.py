@@ -26,7 +26,7 @@ from mossvl_ascend.realtime.wire import (
     parse_interrupt,
     step_rid,
 )
-from support.realtime import noise_image, splice_string
+from support.realtime import frame_string, noise_image, splice_string
 
 TOKEN_S = 0.02
 LIMIT = 12
@@ -83,6 +83,15 @@ class StreamingManager:
             if last:
                 self.outputs.append(ids)
                 return
+
+
+async def outputs_until_parked(session, outputs: list) -> None:
+    """Collect the session's outputs into ``outputs`` until its turn ends on <|silence|>."""
+    while True:
+        output = await asyncio.wait_for(session.outputs.get(), 30)
+        outputs.append(output)
+        if output.kind == "silence":
+            return
 
 
 async def run_barge_in(processor, mid_turn_input: str):
@@ -280,12 +289,8 @@ def test_a_prompt_while_parked_announces_its_turn(processor):
         session = await ServedRealtimeEngine(lambda: manager).open(SessionConfig(max_new_tokens=LIMIT))
         outputs = []
 
-        async def until_parked():
-            while True:
-                output = await asyncio.wait_for(session.outputs.get(), 30)
-                outputs.append(output)
-                if output.kind == "silence":
-                    return
+        def until_parked():
+            return outputs_until_parked(session, outputs)
 
         await until_parked()
         session.push_prompt("Anything?", seq_no=0)
@@ -370,12 +375,8 @@ def test_a_prompt_right_after_a_frame_is_offered_to_its_step(processor, taken):
         session = await ServedRealtimeEngine(lambda: manager).open(SessionConfig(max_new_tokens=LIMIT))
         outputs = []
 
-        async def until_parked():
-            while True:
-                output = await asyncio.wait_for(session.outputs.get(), 30)
-                outputs.append(output)
-                if output.kind == "silence":
-                    return
+        def until_parked():
+            return outputs_until_parked(session, outputs)
 
         await until_parked()
         session.push_frame(Frame(noise_image(1), 0.0, seq_no=0))
@@ -393,7 +394,7 @@ def test_a_prompt_right_after_a_frame_is_offered_to_its_step(processor, taken):
     frame_step = manager.requests[1]
     (offer,) = manager.offers.values()
     assert list(manager.offers) == [frame_step.rid] and offer.rows == prompt_rows and offer.max_new_tokens == LIMIT
-    frame_rows = encode("<|vision_start|><|time_start|>0.0 seconds<|time_end|><|image_pad|><|vision_end|>")
+    frame_rows = encode(frame_string(0.0))
     assert list(frame_step.input_ids) == [silence] + frame_rows
     seen = [(o.kind, o.seq_no, o.turn_id, o.next_turn_id) for o in outputs if o.kind in ("interrupted", "processed")]
     texts = {o.turn_id for o in outputs if o.kind == "text"}

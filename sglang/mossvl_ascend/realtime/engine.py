@@ -480,8 +480,9 @@ class ServedSession:
                 if ids and seen < len(ids):
                     self._put_usage(chunk, len(ids))
                 if seen == 0 and ids:
-                    if self.offered and self._account(chunk).get(OFFER_TAKEN_KEY):
-                        taken, inputs = self._take_offered(inputs, self._account(chunk)[OFFER_TAKEN_KEY])
+                    taken_rows = self._account(chunk).get(OFFER_TAKEN_KEY)
+                    if self.offered and taken_rows:
+                        taken, inputs = self._take_offered(inputs, taken_rows)
                         rows, allowance = taken + rows, self._new_turn_allowance()
                     if ready:
                         self.outputs.put_nowait(Output(READY))
