@@ -6,7 +6,11 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.setup-done
 # CPU runs only: the import-only sgl_kernel stand-in and sglang's CPU engine switch.
-CPU_ENV := SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=$(CURDIR)/cpu_shim HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# PD disaggregation's transfer engine (mooncake) loads libibverbs.so.1: Debian's libibverbs1, installed by apt as root,
+# else unpacked into the venv (VENDOR_LIB, on the library path of every CPU run).
+VENDOR_LIB := $(CURDIR)/$(VENV)/debian/usr/lib/x86_64-linux-gnu
+CPU_ENV := SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=$(CURDIR)/cpu_shim HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+	LD_LIBRARY_PATH=$(VENDOR_LIB)$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 PORT ?= 30000
 DEVICE ?= cpu
 ARGS ?=
@@ -26,6 +30,11 @@ $(STAMP): requirements-sglang-runtime.txt requirements-test.txt sglang/pyproject
 	$(PIP) install -q --no-deps sglang==0.5.23
 	$(PIP) install -q -r requirements-sglang-runtime.txt -r requirements-test.txt -c constraints-torch.txt
 	$(PIP) install -q --no-deps -e sglang/
+	/sbin/ldconfig -p | grep -q 'libibverbs.so.1 ' || test -e $(VENDOR_LIB)/libibverbs.so.1 || \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -q libibverbs1; \
+	  else mkdir -p $(VENV)/debian && cd $(VENV)/debian && apt-get download libibverbs1 libnl-3-200 libnl-route-3-200 \
+	    && for deb in *.deb; do dpkg -x $$deb .; done && cp -an lib/x86_64-linux-gnu/. usr/lib/x86_64-linux-gnu/; fi
+	LD_LIBRARY_PATH=$(VENDOR_LIB) $(PY) -c "import mooncake.engine"
 	$(PY) -c "import sglang, torch; assert sglang.__version__ == '0.5.23', sglang.__version__; print('sglang', sglang.__version__, 'torch', torch.__version__)"
 	touch $@
 
