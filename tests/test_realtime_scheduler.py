@@ -378,3 +378,93 @@ def test_an_offer_a_step_cannot_take_interrupts_it(sessions, where):
         assert req.to_finish is None, "an interrupt for another step leaves this one alone"
     assert list(req.origin_input_ids) == laid_out and not set(PROMPT_ROWS) & set(laid_out)
     assert req.customized_info[USAGE_INFO_KEY][0][OFFER_TAKEN_KEY] == 0
+
+
+def _stock_abort(req):
+    """STAND-IN for stock's ``Req.set_finish_with_abort`` (``managers/schedule_batch.py``): the request keeps one
+    input token (so it skips its prefill) and is finished as an abort with the message."""
+
+    def set_finish_with_abort(message):
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        req.reasons.append(message)
+        req.origin_input_ids = [0]
+        req.multimodal_inputs = None
+        req.to_finish = FINISH_ABORT(message)
+
+    req.set_finish_with_abort = set_finish_with_abort
+    req.finished = lambda: False  # stock finishes a request from ``to_finish`` when its next result is processed
+    return req
+
+
+def test_an_offer_that_overfills_the_context_is_declined_and_the_step_runs_its_own_rows(sessions):
+    """The step's own rows fit the session's context, with the offered prompt's they do not: the offer is declined
+    (the step keeps its layout and is interrupted after its extend, so what it commits is what it computed), and
+    the prompt's own step is then refused with ``context_exhausted`` (the client's error). Oracle: the context
+    arithmetic written out (one encoder page, the kept text, the step's rows, a token to generate)."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
+
+    from mossvl_ascend.realtime.wire import CONTEXT_EXHAUSTED, OFFER_TAKEN_KEY, USAGE_INFO_KEY, PromptOffer
+
+    stream = _continuing_session(sessions)
+    req = _stock_abort(_frame_step())
+    own_rows = [PENDING, *FRAME_ROWS]
+    # max_req_len - 1 positions: the frame step (128 + 10 + 5 rows, 1 token) fits, with the prompt's 5 rows not
+    scheduler = _scheduler(waiting=[req])
+    scheduler.max_req_len = 128 + len(KEPT_TEXT) + len(own_rows) + 1 + 1
+    sessions.prepare_step(scheduler, req)
+    laid_out = list(req.origin_input_ids)
+    assert laid_out == [77] * 128 + [*KEPT_TEXT, *own_rows]
+    _interrupt(sessions, scheduler, req.rid, PromptOffer(PROMPT_ROWS, 64))
+    assert not req.reasons, "the step was aborted by the prompt it could not take"
+    assert list(req.origin_input_ids) == laid_out and stream.step.plan.rows == own_rows
+    assert isinstance(req.to_finish, FINISH_LENGTH) and req.sampling_params.max_new_tokens == 1
+    assert req.customized_info[USAGE_INFO_KEY][0][OFFER_TAKEN_KEY] == 0
+
+    # The step finishes with one token; the prompt's step (that token, then the prompt) meets a full context.
+    stream.step, stream.text_ids, stream.pending = None, [*KEPT_TEXT, *own_rows], [56]
+    stream.encoder_rows = 128
+    prompt_step = _stock_abort(_frame_step(n=5))
+    prompt_step.origin_input_ids, prompt_step.multimodal_inputs = [56, *PROMPT_ROWS], None
+    sessions.prepare_step(scheduler, prompt_step)
+    assert isinstance(prompt_step.to_finish, FINISH_ABORT) and stream.step is None
+    assert prompt_step.reasons[0].startswith(CONTEXT_EXHAUSTED)
+
+
+def test_an_interrupt_keeps_a_stock_abort_already_pending(sessions):
+    """A step that stock already aborts (its session closing, say) stays aborted: the interrupt does not turn the
+    abort into a normal finish that would keep its KV."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    _continuing_session(sessions)
+    req = _frame_step()
+    scheduler = _scheduler(in_flight=[req])
+    sessions.prepare_step(scheduler, req)
+    req.to_finish = FINISH_ABORT("Aborted")
+    _interrupt(sessions, scheduler, req.rid, None)
+    assert isinstance(req.to_finish, FINISH_ABORT)
+
+
+def test_an_interrupt_that_overtakes_a_sessions_first_step_ends_it_when_it_arrives(sessions):
+    """The interrupt reaches the scheduler before the session's first step (its request is still being tokenized):
+    the step, when it arrives, ends after its extend, as the interrupt asked."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    req = _frame_step(n=0)
+    req.origin_input_ids = list(FRAME_ROWS)
+    scheduler = _scheduler()
+    _interrupt(sessions, scheduler, req.rid, None)
+    scheduler.waiting_queue.append(req)
+    sessions.prepare_step(scheduler, req)
+    assert not req.reasons
+    assert isinstance(req.to_finish, FINISH_LENGTH) and req.sampling_params.max_new_tokens == 1
+    assert not sessions.early_interrupts
+
+
+def test_a_closed_sessions_early_interrupt_is_forgotten(sessions):
+    """An interrupt recorded for a first step that never arrives is dropped with its session's close."""
+    scheduler = _scheduler()
+    _interrupt(sessions, scheduler, step_rid("s9", 0), None)
+    close = _frame_step("s9", "close")
+    sessions.prepare_step(scheduler, close)
+    assert not sessions.early_interrupts and close.reasons == ["realtime session closed"]

@@ -188,7 +188,9 @@ PATCHES = (
             "aborts go to stock. An interrupt whose message also carries a prompt offer (the prompts' rows and the "
             "turn's token limit) gives a step still in the waiting queue, or not here yet, those rows after its first "
             "row and the limit, laid out again (one extend where the runner drains inputs arriving together in one "
-            "forward); a step already in a forward is interrupted as above, its prompts drained by the next step"
+            "forward); a step already in a forward, or one whose session's context cannot hold the prompts' rows "
+            "with its own, is interrupted as above, its prompts drained by the next step (refused with "
+            "`context_exhausted` if they do not fit there either)"
         ),
         upstream="not in sglang",
         remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -43,6 +43,7 @@ from mossvl_ascend.realtime.step_plan import StepPlan, frame_ends_after, plan_st
 from mossvl_ascend.realtime.wire import (
     CLOSE_STEP,
     CONTEXT_EXHAUSTED,
+    FIRST_STEP,
     OFFER_TAKEN_KEY,
     RID_PREFIX,
     USAGE_INFO_KEY,
@@ -117,6 +118,53 @@ class NewVision:
     text_from: int
 
 
+class Layout(NamedTuple):
+    """Where a step's rows go in its session's sequence, and what room the context leaves it."""
+
+    plan: StepPlan
+    encoder_rows: int  # whole pages
+    vision_tokens: int  # in the encoder row once the step's frames are in
+    text_rows: int  # every text row, the step's included
+    context_limit: int  # the positions a request may fill
+    page_size: int
+
+    @property
+    def room(self) -> int:
+        """The tokens the step may still generate."""
+        return self.context_limit - (self.encoder_rows + self.text_rows)
+
+
+def _lay_out(scheduler, stream: Stream, inputs: StepInputs) -> Layout:
+    """The layout of a step with ``inputs`` on ``stream``; ValueError (the refusal, its client's message) when its
+    rows break the frame rules or its session's context cannot hold them and a token to generate."""
+    plan = plan_step(
+        inputs.rows,
+        inputs.grids,
+        scheduler.model_config.hf_config.image_token_id,
+        stream.next_position,
+        len(stream.frame_ends),
+        stream.window_start,
+        inputs.window_starts,
+    )
+    page = _page_size(scheduler)
+    vision_tokens = stream.vision_tokens + sum(plan.frame_lens)
+    needed = encoder_row_len(vision_tokens, ACTIVE_LAYOUT.bands_or_one())
+    encoder_rows = stream.encoder_rows
+    if needed > encoder_rows:
+        encoder_rows += whole_pages(needed - encoder_rows, page)
+    text_rows = len(stream.text_ids) + len(plan.rows)
+    # A step reserves what it can write, not the turn's allowance: most steps end on <|silence|> after a few tokens.
+    # Stock's bound on a request's new tokens (``init_req_max_new_tokens``), applied to the whole sequence.
+    layout = Layout(plan, encoder_rows, vision_tokens, text_rows, scheduler.max_req_len - 1, page)
+    if layout.room < 1:
+        raise ValueError(
+            f"{CONTEXT_EXHAUSTED}: realtime session {stream.session_id} holds {encoder_rows} encoder and "
+            f"{text_rows - len(plan.rows)} text rows; its next {len(plan.rows)} rows and a token exceed the "
+            f"context ({layout.context_limit} positions)"
+        )
+    return layout
+
+
 def _page_size(scheduler_or_cache) -> int:
     return scheduler_or_cache.token_to_kv_pool_allocator.page_size
 
@@ -168,7 +216,7 @@ class RealtimeSessions:
             self.release(session_id, scheduler.tree_cache)
             req.set_finish_with_abort("realtime session closed")
             return
-        if step != "0" and session_id not in self.streams:  # its KV is gone: running it would start afresh
+        if step != FIRST_STEP and session_id not in self.streams:  # its KV is gone: running it would start afresh
             req.set_finish_with_abort(self.evicted.pop(session_id, f"realtime session {session_id} holds no KV here"))
             return
         stream = self.streams.setdefault(session_id, Stream(session_id))
@@ -198,51 +246,47 @@ class RealtimeSessions:
         inputs = StepInputs(new_rows, grids, window_starts if grids else None)
         early = self.early_interrupts.pop(session_id, None)
         rid, offer = early if early is not None else (None, None)
-        if rid == req.rid and offer is not None and stream.pending:  # the first step has no prompts before it
-            self._plan(scheduler, req, stream, inputs.with_prompts(len(stream.pending), offer), offer)
-        elif self._plan(scheduler, req, stream, inputs) and rid == req.rid:
+        if rid == req.rid and offer is not None and self._plan_with_offer(scheduler, req, stream, inputs, offer):
+            return
+        if self._plan(scheduler, req, stream, inputs) and rid == req.rid:
             _finish_at_the_next_result(req)
 
-    def _plan(self, scheduler, req, stream: Stream, inputs: "StepInputs", offer: Optional[PromptOffer] = None) -> bool:
-        """Lay out step ``req`` as its session's whole sequence from its new rows and frames (``inputs``; with
-        ``offer``, which they already hold, the turn its prompts open): ids, positions, frame visibility, the
-        context account. False when the step is refused (aborted with the reason)."""
-        session_id = stream.session_id
-        image_token_id = scheduler.model_config.hf_config.image_token_id
+    def _plan(self, scheduler, req, stream: Stream, inputs: StepInputs) -> bool:
+        """Lay out step ``req`` as its session's whole sequence from its new rows and frames (``inputs``). False
+        when the step is refused (aborted with the reason: its client's error)."""
         try:
-            plan = plan_step(
-                inputs.rows,
-                inputs.grids,
-                image_token_id,
-                stream.next_position,
-                len(stream.frame_ends),
-                stream.window_start,
-                inputs.window_starts,
-            )
-        except ValueError as error:
-            req.set_finish_with_abort(str(error))
+            layout = _lay_out(scheduler, stream, inputs)
+        except ValueError as refusal:
+            req.set_finish_with_abort(str(refusal))
             return False
-        page = _page_size(scheduler)
-        vision_tokens = stream.vision_tokens + sum(plan.frame_lens)
-        needed = encoder_row_len(vision_tokens, ACTIVE_LAYOUT.bands_or_one())
-        encoder_rows = stream.encoder_rows
-        if needed > encoder_rows:
-            encoder_rows += whole_pages(needed - encoder_rows, page)
-        text_rows = len(stream.text_ids) + len(plan.rows)
-        # A step reserves what it can write, not the turn's allowance: most steps end on <|silence|> after a few
-        # tokens. Stock's bound on a request's new tokens (``init_req_max_new_tokens``), applied to the whole sequence.
-        context_limit = scheduler.max_req_len - 1
-        room = context_limit - (encoder_rows + text_rows)
-        if room < 1:
-            req.set_finish_with_abort(
-                f"{CONTEXT_EXHAUSTED}: realtime session {session_id} holds {encoder_rows} encoder and "
-                f"{text_rows - len(plan.rows)} text rows; its next {len(plan.rows)} rows and a token exceed the "
-                f"context ({context_limit} positions)"
-            )
+        self._apply(req, stream, inputs, layout)
+        return True
+
+    def _plan_with_offer(self, scheduler, req, stream: Stream, inputs: StepInputs, offer: PromptOffer) -> bool:
+        """Lay out step ``req`` with the offered prompts' rows after its first row, as the turn they open. False,
+        ``req`` untouched, when it cannot take them: a session's first step (no generated token before its rows), or
+        rows its session's context cannot hold with them. Such an offer is declined, not a refusal of the step: its
+        own rows may still fit, and the prompts go to the next step, which is refused if they do not fit there."""
+        if not stream.pending:
             return False
+        with_prompts = inputs.with_prompts(len(stream.pending), offer)
+        try:
+            layout = _lay_out(scheduler, stream, with_prompts)
+        except ValueError as refusal:
+            logger.info("realtime step %s declines %d offered prompt rows: %s", req.rid, len(offer.rows), refusal)
+            return False
+        self._apply(req, stream, with_prompts, layout, offer)
+        return True
+
+    def _apply(
+        self, req, stream: Stream, inputs: StepInputs, layout: Layout, offer: Optional[PromptOffer] = None
+    ) -> None:
+        """Make ``req`` the session's whole sequence by ``layout``: ids, positions, frame visibility, the context
+        account (with ``offer``, whose rows ``inputs`` already hold, the turn its prompts open)."""
+        plan, encoder_rows, vision_tokens, text_rows, context_limit, page = layout
         if offer is not None:
             req.sampling_params.max_new_tokens = offer.max_new_tokens
-        req.sampling_params.max_new_tokens = min(req.sampling_params.max_new_tokens, room)
+        req.sampling_params.max_new_tokens = min(req.sampling_params.max_new_tokens, layout.room)
         mm = req.multimodal_inputs
         ids = array("q", [stream.pad_value] * encoder_rows)
         ids.extend(stream.text_ids)
@@ -286,7 +330,6 @@ class RealtimeSessions:
                 }
             ]
         }
-        return True
 
     # -- barge-in --
 
@@ -306,20 +349,24 @@ class RealtimeSessions:
                     _finish_at_the_next_result(req)
                 return
         parsed = parse_step_rid(rid)
-        if parsed is not None and parsed[0] in self.streams:
+        # A session's first step creates its stream, so an interrupt that overtook it finds none (until its close,
+        # which forgets the interrupt with the session, if the step never comes).
+        if parsed is not None and (parsed[0] in self.streams or parsed[1] == FIRST_STEP):
             self.early_interrupts[parsed[0]] = (rid, offer)
 
     def _take_offer(self, scheduler, req, offer: PromptOffer) -> bool:
         """A queued step (in the waiting queue: no part of its extend ran) laid out again with the offered prompts'
-        rows; False when it is not such a step."""
+        rows; False when it is not such a step or cannot take them (:meth:`_plan_with_offer`)."""
         stream = self.stream_of(req)
         step = stream.step if stream is not None else None
-        if step is None or step.rid != req.rid or req.to_finish is not None or not stream.pending:
+        if step is None or step.rid != req.rid or req.to_finish is not None:
             return False
         if not any(queued is req for queued in scheduler.waiting_queue):
             return False
+        if not self._plan_with_offer(scheduler, req, stream, step.inputs, offer):
+            return False
         logger.info("realtime step %s takes %d offered prompt rows before its extend", req.rid, len(offer.rows))
-        return self._plan(scheduler, req, stream, step.inputs.with_prompts(len(stream.pending), offer), offer)
+        return True
 
     @staticmethod
     def _queued_or_in_flight(scheduler) -> list:
@@ -567,8 +614,10 @@ def _finish_at_the_next_result(req) -> None:
     lowered limit is what stock's overlap loop reads to leave a request whose in-flight result is its last out of
     the next decode batch (``Scheduler._reqs_finishing_inflight``); ``to_finish`` alone is not, and the step then
     paid one more decode forward whose token was dropped."""
-    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
 
+    if isinstance(req.to_finish, FINISH_ABORT):  # already aborted (its session closing): a finish would keep its KV
+        return
     last = len(req.output_ids) + 1
     req.sampling_params.max_new_tokens = min(req.sampling_params.max_new_tokens, last)
     req.to_finish = FINISH_LENGTH(length=last)

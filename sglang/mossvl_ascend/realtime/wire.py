@@ -16,6 +16,8 @@ RID_PREFIX = "mossvl-realtime:"
 # The abort message that asks a running step to end at its next token, keeping its KV (barge-in).
 INTERRUPT_MESSAGE = "mossvl-realtime-interrupt"
 CLOSE_STEP = "close"
+# A session's first step (the engine numbers them from 0): it creates the session in the scheduler.
+FIRST_STEP = "0"
 # In a windowed step's sampling ``custom_params``: per new frame, the first frame still in the window after it.
 WINDOW_STARTS_PARAM = "mossvl_window_first_frames"
 # The abort message of a step its session's context cannot hold (the session is full; the client's error code
