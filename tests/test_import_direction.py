@@ -20,7 +20,7 @@ PACKAGE = PACKAGE_ROOT.name
 
 # Top to bottom: (layer, ranks); a rank is a set of module patterns ("x.*": every module under package x).
 LAYERS: list[tuple[str, list[list[str]]]] = [
-    ("entry", [["mossvl_ascend", "mossvl_ascend.catalog"]]),
+    ("entry", [["mossvl_ascend", "mossvl_ascend.catalog", "mossvl_ascend.quantize"]]),
     ("registry", [["mossvl_ascend.registry"]]),
     ("patches", [["mossvl_ascend.patches", "mossvl_ascend.patches.*"]]),
     (
@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, list[list[str]]]] = [
     (
         "shared contracts",
         [["mossvl_ascend.side_channel", "mossvl_ascend.patch_record", "mossvl_ascend.checkpoint_code"]]
+        + [["mossvl_ascend.modelslim_format"]]
         + [["mossvl_ascend.host_memory"]],
     ),
 ]
