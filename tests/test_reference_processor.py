@@ -151,6 +151,29 @@ def test_videos_of_one_call_share_max_frames_and_the_pixel_budget(video_processo
     assert alone["grid_thw"].tolist() == [[3, 4, 4]]
 
 
+def test_a_videos_own_values_never_lift_the_calls_max_frames(video_processor):
+    """The call's max_frames (a server's: its checkpoint or --mm-process-config) caps the frames of one call; a video's
+    own values (what a request asks) may lower it only. Above it: refused before the file is decoded, a whole clip
+    and segments alike. Two videos asking 4 frames each under a cap of 4 get their shares, 2 each (the published
+    rule's 12-frame clip at linspace(0, 11, 2) = 0, 11: stamped 0.0 and 2.75)."""
+    cap = {"max_frames": 2}
+    lifted = [
+        {"video_path": str(VIDEO), "num_frames": 12, "max_frames": 12},
+        {"video_path": str(VIDEO), "max_frames": 3},
+        {"video_path": str(VIDEO), "segments": [[0.0, 3.0]], "video_fps": 4.0, "max_frames": 12},
+    ]
+    for video in lifted:
+        refused = f"max_frames={video['max_frames']} is more than this server's max_frames=2"
+        with pytest.raises(ValueError, match=refused):
+            video_processor(text="<|video|>", videos=[video], media_kwargs=cap)
+    asking_four = {"video_path": str(VIDEO), "num_frames": 4, "max_frames": 4}
+    two = video_processor(text="<|video|><|video|>", videos=[asking_four] * 2, media_kwargs={"max_frames": 4})
+    assert two["grid_thw"][:, 0].tolist() == [2, 2]
+    assert stamps_of(video_processor, two["input_ids"]) == ["0.0", "2.8"] * 2
+    lowered = video_processor(text="<|video|>", videos=[{"video_path": str(VIDEO), "max_frames": 2}])
+    assert lowered["grid_thw"][:, 0].tolist() == [2]  # under the call's 256: honoured
+
+
 def test_interleaved_media_keep_text_order(video_processor):
     text = "<|im_start|>user\nA<|image|>B<|video|>C<|image|>D<|im_end|>\n"
     inputs = video_processor(

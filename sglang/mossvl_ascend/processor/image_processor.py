@@ -101,7 +101,8 @@ class MossVLImageProcessor(BaseImageProcessor):
     ``max_source_frames``: a video file with more frames is refused before decoding.
 
     A video given as ``{"video_path": ..., "num_frames" | "video_fps", "min_frames", "max_frames"}`` samples with
-    those values instead of the call's (``PER_VIDEO_SAMPLING``); its ``max_frames`` is its own, not a share."""
+    those values instead of the call's (``PER_VIDEO_SAMPLING``); its ``max_frames`` may only lower the call's
+    ``max_frames`` (a value above it, or a ``num_frames`` / ``min_frames`` above it, is refused)."""
 
     model_input_names = ["pixel_values", "grid_thw"]
 
@@ -216,14 +217,16 @@ class MossVLImageProcessor(BaseImageProcessor):
     # ---- videos
 
     def sample_videos(self, videos: Sequence[Any]) -> list[SampledVideo]:
-        """Each video input's sampled frames (a segments dict gives one video per segment)."""
+        """Each video input's sampled frames (a segments dict gives one video per segment). ``max_frames`` is the
+        cap on the frames of one call, shared by its videos: a video's own ``max_frames`` can lower its share, never
+        raise it (a server's request fields arrive as a video's own values)."""
+        owns = [self.own_sampling(video) for video in videos]  # refused before any file is decoded
         clips, given_stamps = zip(*(self.clip_of(video) for video in videos))
         shares = share_max_frames([clip.duration for clip in clips], self.max_frames)
         sampled = []
-        for video, clip, stamps, share in zip(videos, clips, given_stamps, shares):
-            own = self.own_sampling(video)
+        for video, own, clip, stamps, share in zip(videos, owns, clips, given_stamps, shares):
             fps, min_frames = own.get("video_fps", self.video_fps), own.get("min_frames", self.min_frames)
-            share = own.get("max_frames", share)
+            share = min(own.get("max_frames", share), share)
             if is_frame_list(video):
                 # pre-sampled: every frame kept up to max_frames (integer linspace), stamps as given or i / fps
                 sampled.append(sample_clip(clip, min(len(clip.times), share), stamps))
@@ -244,6 +247,11 @@ class MossVLImageProcessor(BaseImageProcessor):
             raise ValueError("num_frames does not apply to a video given as segments (each samples at its fps)")
         if "num_frames" in own and "video_fps" in own:
             raise ValueError("num_frames and fps are mutually exclusive (the processor's calculate_num_frames)")
+        if own.get("max_frames", 0) > self.max_frames:
+            raise ValueError(
+                f"max_frames={own['max_frames']} is more than this server's max_frames={self.max_frames} (the cap "
+                "on the frames of one request)"
+            )
         max_frames = own.get("max_frames", self.max_frames)
         if own.get("num_frames", 0) > max_frames:
             raise ValueError(f"num_frames={own['num_frames']} is more than max_frames={max_frames}")
