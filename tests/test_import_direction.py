@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, list[list[str]]]] = [
     (
         "realtime",
         [
+            ["mossvl_ascend.realtime.web_page"],  # the browser page's routes, beside the socket they talk to
             # the HTTP process (socket, session engine) and the scheduler's sessions: neither imports the other
             ["mossvl_ascend.realtime", "mossvl_ascend.realtime.websocket", "mossvl_ascend.realtime.engine"]
             + ["mossvl_ascend.realtime.sessions"],

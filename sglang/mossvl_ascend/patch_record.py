@@ -23,6 +23,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "kv_pool",
     "realtime_sessions",
     "realtime_api",
+    "realtime_ui",
     "encoder_cache_key",
     "request_validation",
     "media_requests",
