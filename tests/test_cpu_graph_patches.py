@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from sglang.srt.layers.layer_boundary import exit as boundary_exit
@@ -51,12 +54,50 @@ def test_its_twin_traces_into_one_graph_with_the_same_result(monkeypatch):
     assert torch.equal(traced, x * 3)
 
 
-@pytest.mark.parametrize("struct", [stream.Contribution, boundary_exit.ExitDecision], ids=lambda s: s.__name__)
+# What stock sglang 0.5.23 declares, read from its source (not derived by the filter the twin is built with):
+# struct -> (fields in order, {field: default}, methods).
+#   layers/layer_boundary/residual/stream.py:40-78: Contribution(value, update, owed=None): for_boundary, complete,
+#   release; layers/layer_boundary/exit.py:486-501: ExitDecision(defer_moe_finalize, sum_in_reduce_scatter, complete),
+#   frozen, no methods (``complete`` is a field holding a callable).
+STOCK_STRUCTS = {
+    stream.Contribution: (("value", "update", "owed"), {"owed": None}, {"for_boundary", "complete", "release"}),
+    boundary_exit.ExitDecision: (("defer_moe_finalize", "sum_in_reduce_scatter", "complete"), {}, set()),
+}
+# The attention-backend methods stock's CPUGraphRunner calls (model_executor/cpu_graph_runner.py: 680, 686, 876) that
+# stock's torch_native backend lacks; init_forward_metadata (947, 989) it has.
+CPU_GRAPH_RUNNER_CALLS = {
+    "init_cpu_graph_state",
+    "get_cpu_graph_seq_len_fill_value",
+    "init_forward_metadata_capture_cpu_graph",
+}
+
+
+@pytest.mark.parametrize("struct", list(STOCK_STRUCTS), ids=lambda s: s.__name__)
 def test_a_twin_has_the_structs_fields_defaults_and_methods(struct):
+    fields, defaults, methods = STOCK_STRUCTS[struct]
+    assert struct.__struct_fields__ == fields  # the table still describes the installed stock
     twin = traceable_twin(struct)
-    assert twin.__slots__ == struct.__struct_fields__
-    methods = {name for name, value in vars(struct).items() if callable(value) and not name.startswith("__")}
-    assert methods <= set(vars(twin))
+    assert twin.__slots__ == fields
+    required = [object() for name in fields if name not in defaults]
+    built = twin(*required)
+    assert [getattr(built, name) for name in fields] == [*required, *defaults.values()]
+    for name in methods:
+        assert vars(twin).get(name) is vars(struct)[name], name
+    own = {name for name, value in vars(twin).items() if callable(value) and not name.startswith("__")}
+    assert own == methods  # nothing else: a field must stay a field (ExitDecision.complete)
+
+
+def test_the_graph_ready_backend_has_every_method_stocks_cpu_graph_runner_calls_on_it():
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.model_executor import cpu_graph_runner
+
+    from mossvl_ascend.patches.cpu_graph import GraphReadyTorchNativeBackend
+
+    source = Path(cpu_graph_runner.__file__).read_text()
+    called = set(re.findall(r"attn_backend\.(\w+)\(", source))
+    assert called - set(dir(TorchNativeAttnBackend)) == CPU_GRAPH_RUNNER_CALLS
+    for name in CPU_GRAPH_RUNNER_CALLS:
+        assert name in vars(GraphReadyTorchNativeBackend), name
 
 
 def test_a_contribution_twin_completes_and_releases_as_the_struct_does():
