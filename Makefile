@@ -16,12 +16,19 @@ DEVICE ?= cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint test test-fast catalog demo demo-realtime serve eval tiny-model bench bench-serving bench-realtime bench-realtime-engine bench-graphs soak-realtime serve-fleet bench-fleet clean
+.PHONY: help setup chromium lint test test-fast catalog demo demo-realtime demo-realtime-web serve eval tiny-model bench bench-serving bench-realtime bench-realtime-engine bench-graphs soak-realtime serve-fleet bench-fleet clean
 
 help: ## list the targets with what each does
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-setup: $(STAMP) ## create .venv: torch 2.14.1 (local wheels), sglang 0.5.23 --no-deps, CPU runtime deps, the plugin
+setup: $(STAMP) chromium ## create .venv: torch 2.14.1 (local wheels), sglang 0.5.23 --no-deps, CPU runtime deps, the plugin; Debian's chromium
+
+# The realtime page's browser tests drive Debian's chromium (playwright with executable_path, never its own browser
+# download); installed here where we are root with apt-get, else the tests fail and say so.
+chromium: ## install Debian's chromium where root and apt-get allow it (the realtime page's browser tests)
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } || \
+	  echo "setup: chromium not installed (needs root and apt-get): install Debian's chromium package for the browser tests"
 
 $(STAMP): requirements-sglang-runtime.txt requirements-test.txt sglang/pyproject.toml
 	test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
@@ -64,6 +71,9 @@ demo: setup ## serve the embedded tiny MOSS-VL with sglang + plugin, ask about a
 
 demo-realtime: setup ## serve the tiny MOSS-VL-Realtime, stream a video through WS /v1/video/realtime with a prompt, print the rounds, stop
 	$(CPU_ENV) $(PY) -m serving.realtime_demo
+
+demo-realtime-web: setup ## serve the tiny MOSS-VL-Realtime on 127.0.0.1:$(PORT) and print the realtime page's address (camera, screen or a video file in the browser); Ctrl-C stops
+	$(CPU_ENV) $(PY) -m serving.realtime_web_demo --port $(PORT)
 
 MODEL ?= $(shell $(CPU_ENV) $(PY) -m moss_vl_reference.tiny_checkpoint 2>/dev/null | tail -n 1)
 # serving.launch adds the CPU engine settings and --sleep-on-idle on DEVICE=cpu (and a core split per rank for

@@ -208,15 +208,13 @@ def test_under_an_api_key_the_page_is_public_and_everything_else_is_not(monkeypa
 class FakeHttpServer(types.ModuleType):
     """STAND-IN for ``sglang.srt.entrypoints.http_server`` as the launch hook reads it: only its ``app``."""
 
-    def __init__(self, with_socket: bool):
+    def __init__(self):
         super().__init__("sglang.srt.entrypoints.http_server")
         self.app = FastAPI()
-        if with_socket:
-            mount(self.app, StandInEngine())
 
 
-def launched(monkeypatch, with_socket: bool = True) -> TestClient:
-    fake = FakeHttpServer(with_socket)
+def launched(monkeypatch) -> TestClient:
+    fake = FakeHttpServer()
     import sglang.srt.entrypoints as entrypoints
 
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
@@ -233,8 +231,6 @@ def test_the_switch_turns_the_page_off(monkeypatch):
     monkeypatch.setenv(UI_ENV, "0")
     client = launched(monkeypatch)
     assert [client.get(path).status_code for path in PAGE_FILES] == [404, 404, 404]
-    monkeypatch.setenv(UI_ENV, "1")
-    assert launched(monkeypatch, with_socket=False).get(PAGE_PATH).status_code == 404  # no socket, no page
     monkeypatch.setenv(UI_ENV, "maybe")
     with pytest.raises(ValueError, match=UI_ENV):
         launched(monkeypatch)

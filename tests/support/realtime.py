@@ -1,7 +1,8 @@
 """Realtime event scripts and their oracle: the reference stream (`moss_vl_reference.realtime_moss_vl`) driven by
 the same script, each input pushed while the stream is parked, then run until it parks again (greedy, fp32).
 
-A script is a tuple of actions: ("frame", timestamp, seed), ("prompt", text), ("subtitle", text, timestamp, seed).
+A script is a tuple of actions: ("frame", timestamp, seed), ("prompt", text), ("subtitle", text, timestamp, seed);
+a frame's seed may be the image itself.
 The segment texts a step extends are written here as literal strings (not the engine's helpers).
 """
 
@@ -31,6 +32,11 @@ SCRIPTS = {
 
 def noise_image(seed: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+
+
+def frame_image(source) -> Image.Image:
+    """A script's frame: the seed of a :func:`noise_image`, or an image itself (the frames a browser sent)."""
+    return source if isinstance(source, Image.Image) else noise_image(source)
 
 
 def frame_string(ts: float) -> str:
@@ -81,7 +87,7 @@ def reference_session(model, processor, script, frame_window_seconds=None, recor
         assert session.wait_until_parked(WAIT)
         for action in script:
             if action[0] == "frame":
-                session.push_frame(noise_image(action[2]), action[1])
+                session.push_frame(frame_image(action[2]), action[1])
             elif action[0] == "prompt":
                 session.push_prompt(action[1])
             else:

@@ -9,25 +9,21 @@ import logging
 from typing import Any, Callable
 
 from sglang.srt.plugins.hook_registry import HookType
-from starlette.routing import WebSocketRoute
 
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 from mossvl_ascend.realtime.web_page import PAGE_PATH, UI_ENV, is_public_page_request, mount_page, page_enabled
-from mossvl_ascend.realtime.websocket import VIDEO_REALTIME_PATH
 
 logger = logging.getLogger(__name__)
 
 
 def mount_realtime_page(*args: Any, **kwargs: Any) -> None:
-    """BEFORE hook on ``http_server.launch_server`` (after the socket's): the page's routes, where the realtime
-    socket is mounted and ``MOSSVL_REALTIME_UI`` is not 0."""
+    """BEFORE hook on ``http_server.launch_server``: the page's routes unless ``MOSSVL_REALTIME_UI`` is 0. The
+    socket the page talks to is mounted by ``realtime_api`` on the same platforms, by a hook that runs after this
+    one (hooks on one target nest: the one registered last runs first)."""
     from sglang.srt.entrypoints import http_server  # sglang's HTTP server: loaded in the launcher only
 
     app = http_server.app
-    routes = app.router.routes
-    if any(getattr(route, "path", None) == PAGE_PATH for route in routes):  # a second launch in this process
-        return
-    if not any(isinstance(route, WebSocketRoute) and route.path == VIDEO_REALTIME_PATH for route in routes):
+    if any(getattr(route, "path", None) == PAGE_PATH for route in app.router.routes):  # a second launch
         return
     if not page_enabled():
         logger.info("MOSS-VL realtime page off (%s=0)", UI_ENV)
