@@ -467,6 +467,93 @@ def _npu_top_k_top_p(logits, p, k):
     return torch.empty_like(values).scatter_(1, indices, values).to(logits.dtype)
 
 
+# ---- STAND-INs for the W8A8_DYNAMIC linear (stock ``NPUW8A8Int8DynamicLinearMethod.apply``, reached as
+# ``torch.ops.npu.<op>``): integer semantics exact, the float epilogue in fp32.
+
+_INT8_MAX = 127
+
+
+def _npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None):
+    """STAND-IN ``torch_npu.npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None) ->
+    (y, scale)``, per-token symmetric INT8 without smoothing.
+
+    Sources: torch_npu API reference "torch_npu.npu_dynamic_quant" (hiascend Pytorch 7.0.0 ``ptaoplist_001228``;
+    6.0.RC3 ``ptaoplist_000784``) and the kernel's aclnn page (hicann/ops-nn ``quant/dynamic_quant/README.md``,
+    aclnnDynamicQuant): ``scale = rowMax(abs(x)) / 127`` (fp32, shape ``x.shape[:-1]``), ``y = round(x / scale)``
+    (int8, x's shape); x float16 / bfloat16 only, 2-8 dims. The pages do not say how ties round: half to even here
+    (ties need ``x / scale`` exactly on .5, which per-layer tests do not rely on). A row of zeros (scale 0) is not
+    specified either: zeros here. The 6.0.RC3 page also caps x's last dim at 11264 on Atlas A2; the 7.0.0 and
+    aclnn pages no longer list it, so it is not refused (MOSS-VL's down_proj input is 12288: check on hardware).
+    """
+    op = "npu_dynamic_quant"
+    if smooth_scales is not None or group_index is not None:
+        raise NotImplementedError("stand-in npu_dynamic_quant: smooth_scales / group_index are not modelled")
+    _require(dst_type in (None, torch.int8), op, f"dst_type {dst_type}: only int8 is modelled")
+    _require(x.dtype in _NPU_HALVES, op, f"x dtype {x.dtype}: the op takes float16 or bfloat16")
+    _require(2 <= x.dim() <= 8, op, f"x has {x.dim()} dims, the op takes 2-8")
+    largest = x.abs().amax(dim=-1).float()  # exact: a max of x's own values
+    scale = largest / _INT8_MAX
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+    y = torch.round(x.float() / divisor).clamp_(-_INT8_MAX - 1, _INT8_MAX).to(torch.int8)
+    return y, scale
+
+
+# torch_npu quant_matmul page, table 2 (Atlas A2/A3), the rows with a float output: (scale dtypes, bias dtypes,
+# pertoken_scale required). bf16 output: scale fp32/bf16, bias int32/bf16/fp32/None, pertoken fp32 or None; fp16
+# output with pertoken_scale: scale fp32 only (fp16 output without it needs npu_trans_quant_param: not modelled).
+_QUANT_MATMUL_FLOAT_ROWS = {
+    torch.bfloat16: ((torch.float32, torch.bfloat16), (torch.int32, torch.bfloat16, torch.float32), False),
+    torch.float16: ((torch.float32,), (torch.int32, torch.bfloat16, torch.float32), True),
+}
+
+
+def _npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None, **unsupported):
+    """STAND-IN ``torch_npu.npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
+    output_dtype=None, ...)`` for int8 x int8 with a float16 / bfloat16 output.
+
+    Source: Ascend/op-plugin ``docs/context/torch_npu-npu_quant_matmul.md`` (计算公式, 参数说明, 约束说明 and its
+    table 2 for Atlas A2/A3): ``out = x1 @ x2 * scale [* pertoken_scale] + bias`` (bias bf16/fp32; an int32 bias is
+    added to the integer product before scaling); x1 ``[m, k]`` and x2 ``[k, n]`` int8, 2-6 dims, the last dims of
+    both at most 65535; scale 1-D ``(1,)`` or ``(n,)``; pertoken_scale fp32 1-D ``(m,)``; bias 1-D ``(n,)``.
+    Accumulation is exact integer arithmetic (int32 cannot overflow at k <= 65535: 128 * 127 * 65535 < 2**31; done
+    in fp64, exact below 2**53); the scaling epilogue runs in fp32 and rounds once to the output dtype. int8/int32
+    outputs, int64 scales, offsets, int4 (int32 x1/x2) and batched bias raise NotImplementedError; dtype
+    combinations outside table 2 raise ValueError.
+    """
+    op = "npu_quant_matmul"
+    if unsupported or offset is not None:
+        raise NotImplementedError(f"stand-in npu_quant_matmul: {sorted(unsupported) or 'offset'} not modelled")
+    if output_dtype not in _QUANT_MATMUL_FLOAT_ROWS:
+        raise NotImplementedError(f"stand-in npu_quant_matmul: output_dtype {output_dtype} not modelled")
+    if x1.dtype == torch.int32 or x2.dtype == torch.int32 or scale.dtype == torch.int64:
+        raise NotImplementedError("stand-in npu_quant_matmul: int4 inputs / int64 scales are not modelled")
+    scale_dtypes, bias_dtypes, pertoken_required = _QUANT_MATMUL_FLOAT_ROWS[output_dtype]
+    _require(x1.dtype == x2.dtype == torch.int8, op, f"x1 {x1.dtype} / x2 {x2.dtype}: int8 (one dtype)")
+    _require(2 <= x1.dim() <= 6 and 2 <= x2.dim() <= 6, op, f"dims {x1.dim()} / {x2.dim()}: 2-6")
+    _require(x1.shape[-1] <= 65535 and x2.shape[-1] <= 65535, op, "last dims of x1 and x2 at most 65535")
+    _require(x1.shape[-1] == x2.shape[-2], op, f"x1 {tuple(x1.shape)} @ x2 {tuple(x2.shape)}: k differs")
+    m, n = x1.shape[-2], x2.shape[-1]
+    _require(scale.dtype in scale_dtypes, op, f"scale {scale.dtype} with output {output_dtype}: {scale_dtypes}")
+    _require(scale.dim() == 1 and scale.shape[0] in (1, n), op, f"scale shape {tuple(scale.shape)}: (1,) or ({n},)")
+    if pertoken_scale is None:
+        _require(not pertoken_required, op, f"output {output_dtype} with a float32 scale needs pertoken_scale")
+    else:
+        _require(pertoken_scale.dtype == torch.float32, op, f"pertoken_scale dtype {pertoken_scale.dtype}: float32")
+        _require(pertoken_scale.shape == (m,), op, f"pertoken_scale {tuple(pertoken_scale.shape)}: ({m},)")
+    if bias is not None:
+        _require(bias.dtype in bias_dtypes, op, f"bias dtype {bias.dtype}: {bias_dtypes}")
+        _require(bias.shape == (n,), op, f"bias {tuple(bias.shape)}: ({n},) (3-D bias not modelled)")
+    product = x1.double() @ x2.double()
+    if bias is not None and bias.dtype == torch.int32:
+        product = product + bias.double()
+    out = product.float() * scale.float()
+    if pertoken_scale is not None:
+        out = out * pertoken_scale.unsqueeze(-1)
+    if bias is not None and bias.dtype != torch.int32:
+        out = out + bias.float()
+    return out.to(output_dtype)
+
+
 class _FakeTorchNpu(types.ModuleType):
     """Module whose unknown public attributes raise NotImplementedError naming themselves."""
 
@@ -496,6 +583,8 @@ def build_fake_modules() -> dict[str, types.ModuleType]:
     torch_npu.npu_swiglu = _npu_swiglu
     torch_npu.npu_rotary_mul = _npu_rotary_mul
     torch_npu.npu_top_k_top_p = _npu_top_k_top_p
+    torch_npu.npu_dynamic_quant = _npu_dynamic_quant
+    torch_npu.npu_quant_matmul = _npu_quant_matmul
 
     kernel = types.ModuleType("sgl_kernel_npu")
     attention = types.ModuleType("sgl_kernel_npu.attention")

@@ -63,3 +63,12 @@ def fused_module(engine_layer: str) -> str:
     if engine_layer.startswith("model.visual.") and engine_layer.endswith(".attn.qkv"):
         return engine_layer + "_proj"
     return engine_layer
+
+
+def engine_parameter(checkpoint_name: str) -> str:
+    """The sglang parameter (``MossVLForConditionalGeneration.named_parameters()``) a checkpoint tensor loads
+    into: its layer's module (fused where sglang fuses it) under the model's attributes ``visual`` and
+    ``language_model`` (module prefixes carry a leading ``model.``), e.g. ``model.language_model.layers.0.self_attn
+    .k_proj.weight_scale`` -> ``language_model.model.layers.0.self_attn.qkv_proj.weight_scale``."""
+    layer, _, tensor = checkpoint_name.rpartition(".")
+    return f"{fused_module(engine_prefix(layer))}.{tensor}".removeprefix("model.")

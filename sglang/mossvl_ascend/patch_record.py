@@ -29,6 +29,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "media_requests",
     "text_only_requests",
     "checkpoint_processor",
+    "modelslim_w8a8",
     "chunked_prefill",
     "media_retention",
     "text_row_gate",

@@ -42,6 +42,10 @@ STOCK_NPU_ONLY_CONSTANTS = {
     },
 }
 
+# Ops stock reaches as ``torch.ops.npu.<op>`` (registered by ``import torch_npu`` on an Ascend host): the
+# W8A8_DYNAMIC linear (hardware_backend/npu/quantization/linear_method_npu.py, NPUW8A8Int8DynamicLinearMethod).
+STOCK_TORCH_OPS_NPU = ("npu_dynamic_quant", "npu_quant_matmul")
+
 NPU_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 
 
@@ -54,7 +58,18 @@ def stock_npu_branches():
         for name, constants in STOCK_NPU_ONLY_CONSTANTS.items():
             for constant, value in constants.items():
                 mp.setattr(importlib.import_module(name), constant, value, raising=False)
+        for op in STOCK_TORCH_OPS_NPU:
+            mp.setattr(torch.ops.npu, op, _late_bound(fake, op), raising=False)
         yield fake, mp
+
+
+def _late_bound(fake, op: str):
+    """``torch.ops.npu.<op>`` calling the stand-in's attribute at call time (a test may wrap it meanwhile)."""
+
+    def call(*args, **kwargs):
+        return getattr(fake, op)(*args, **kwargs)
+
+    return call
 
 
 def ascend_vision_attention(mp: pytest.MonkeyPatch, **kwargs):
