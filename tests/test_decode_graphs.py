@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from mossvl_ascend.attention import core, decode_graph
-from mossvl_ascend.attention.decode_graph import host_kv_lengths, step_tables
-from mossvl_ascend.attention.decode_step import DecodeRows
+from mossvl_ascend.attention.decode_graph import host_kv_lengths, per_record_update, step_tables
+from mossvl_ascend.attention.decode_step import FIELDS, DecodeBuffers, DecodeRows
 from support.decode_graph_case import (
     BUCKETS,
     LAYOUTS,
@@ -33,7 +33,7 @@ from support.decode_graph_case import (
     npu_graph_route,
     random_queries,
 )
-from support.fake_npu_graph import HostRead, NotCaptureSafe
+from support.fake_npu_graph import RELEASES, FakeNPUGraph, HostRead, NotCaptureSafe
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -67,15 +67,59 @@ def test_each_row_sees_what_eager_sees_not_a_neighbours_rows(monkeypatch):
     assert not torch.allclose(first[1][0].float(), first[1][1].float(), atol=1e-2)
 
 
-def replay_with_an_update_rule(monkeypatch, names: list[str], seed: int, update):
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_the_production_step_replays_equal_to_eager_under_every_torch_npu_release(monkeypatch, release):
+    """torch_npu records each captured fused-attention call in its ``.out`` form with buffers of its own (7.1-7.2: a
+    one-element LSE buffer whatever ``softmax_lse_flag`` says); the captured step must fit them on every release."""
+    dtype = torch.bfloat16
+    pool = Pool(dtype, LAYOUTS["mossvl"])
+    names = ["image", "text_only", "realtime_windowed"]
+    with npu_graph_route(monkeypatch):
+        state = GraphState(pool, dtype, new_graph=lambda: FakeNPUGraph(RELEASES[release]))
+        state.capture(4)
+        queries = random_queries(names, dtype, 13)
+        assert_close(state.replay(names, queries, 4), eager_decode(pool, names, queries), dtype, names)
+
+
+@pytest.mark.parametrize("page", [128, 16])
+def test_page_sizes_the_graph_path_takes_capture_and_replay_equal_to_eager(monkeypatch, page):
+    """The block sizes start-up accepts with graphs on (16-aligned, up to 512): the NPU's 128 and the smallest."""
+    dtype = torch.float16
+    pool = Pool(dtype, LAYOUTS["mossvl"], page=page)
+    with npu_graph_route(monkeypatch):
+        state = GraphState(pool, dtype)
+        for bs in (1, 4):
+            state.capture(bs)
+        for bs, names in ((4, ["video", "text_only", "realtime_windowed"]), (1, ["long_text"])):
+            queries = random_queries(names, dtype, page + bs)
+            assert_close(state.replay(names, queries, bs), eager_decode(pool, names, queries), dtype, (page, names))
+
+
+def replay_with_an_update_rule(monkeypatch, names: list[str], seed: int, update, release=RELEASES["7.1-7.2"]):
     """Replay ``names`` in a bucket of 2 with ``update`` deciding what NPUGraph.update gets; returns (graph, eager)."""
     dtype = torch.bfloat16
     pool = Pool(dtype, LAYOUTS["mossvl"])
     with npu_graph_route(monkeypatch):
-        state = GraphState(pool, dtype)
+        state = GraphState(pool, dtype, new_graph=lambda: FakeNPUGraph(release))
         state.capture(2)
         queries = random_queries(names, dtype, seed)
         return state.replay(names, queries, 2, update=update), eager_decode(pool, names, queries)
+
+
+def test_an_update_list_shorter_than_the_records_is_silent_up_to_7_3_and_refused_from_26(monkeypatch):
+    """torch_npu's count check as it behaves: up to 7.3.x it never fires (the later records keep their capture-time
+    lengths and compute a wrong answer); from 26.0.0 it raises."""
+
+    def first_two(layers, lengths):
+        return per_record_update(layers, lengths)[:2]
+
+    names = ["image", "video"]
+    replayed, eager = replay_with_an_update_rule(monkeypatch, names, 17, first_two, RELEASES["7.3"])
+    tolerance = TOLERANCE[torch.bfloat16]
+    assert torch.allclose(replayed[1].float(), eager[1].float(), atol=tolerance)  # the updated records
+    assert not torch.allclose(replayed[3].float(), eager[3].float(), atol=tolerance)  # the stale one
+    with pytest.raises(RuntimeError, match="2 dicts for 4 recorded calls"):
+        replay_with_an_update_rule(monkeypatch, names, 17, first_two, RELEASES["26"])
 
 
 def test_a_replay_without_the_update_keeps_the_capture_lengths_and_is_wrong(monkeypatch):
@@ -170,3 +214,52 @@ def test_mutation_the_row_gate_as_a_product_keeps_the_nan_of_a_row_without_keys(
     assert replayed[1][1].isnan().all()  # the text-only row's cross-attention: 0 * NaN
     with pytest.raises(AssertionError, match="NaN"):
         assert_close(replayed, eager, dtype, names)
+
+
+class PageableCopiesLand:
+    """A device on which a ``non_blocking=True`` copy from pageable host memory is asynchronous: it lands when the
+    device gets to it, reading its source then (modelled: at :meth:`drain`, in issue order). Other copies land when
+    issued. ``landed``: the watched tensor after each copy into it landed, in device order."""
+
+    def __init__(self, watched: torch.Tensor):
+        self.watched, self.queued, self.landed = watched, [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten.copy_.default:
+            return func(*args, **kwargs)
+        destination, source = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        if non_blocking and source.device.type == "cpu" and not source.is_pinned():
+            self.queued.append((destination, source))
+            return destination
+        result = func(*args, **kwargs)
+        self._note(destination)
+        return result
+
+    def drain(self):
+        """Land the queued copies (each a blocking copy now: through this mode, noted when it lands)."""
+        queued, self.queued = self.queued, []
+        for destination, source in queued:
+            destination.copy_(source)
+
+    def _note(self, destination):
+        if destination.untyped_storage().data_ptr() == self.watched.untyped_storage().data_ptr():
+            self.landed.append(self.watched.clone())
+
+
+def test_each_fill_lands_its_own_rows_even_when_the_next_fill_comes_first():
+    """``DecodeBuffers.fill`` reuses one host staging buffer every step; on a device where its copy is asynchronous
+    the next step's fill must not be able to overwrite the bytes before the device read them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    pool = Pool(torch.bfloat16, LAYOUTS["mossvl"])
+    buffers = DecodeBuffers(2, "cpu")
+    first, second = pool.rows(["image", "video"]), pool.rows(["text_only", "long_text"])
+    device = type("Device", (PageableCopiesLand, TorchDispatchMode), {})(buffers.table)
+    with device:
+        buffers.fill(first, 2)
+        buffers.fill(second, 2)
+        device.drain()
+    expected = [[getattr(rows, name) for name in FIELDS] for rows in (first, second)]
+    assert [table.tolist() for table in device.landed] == expected

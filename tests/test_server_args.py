@@ -196,7 +196,28 @@ def test_npu_paged_attention_takes_the_default_page_size(model_dir, npu_memory_s
     assert resolve(model_dir, "--device", "npu").page_size == 128
     assert any("page size 128, paged fused" in r.getMessage() for r in plugin_log)
     monkeypatch.delenv("MOSSVL_NPU_PAGED_ATTENTION")
-    assert resolve(model_dir, "--device", "npu", "--page-size", "1").page_size == 1  # the gathered path takes any
+    gathered = resolve(model_dir, "--device", "npu", "--page-size", "1", "--disable-cuda-graph")
+    assert gathered.page_size == 1  # the gathered eager path takes any
+
+
+@pytest.mark.parametrize("page_size", ["1", "24", "1024"])
+def test_npu_decode_graphs_refuse_a_page_size_the_paged_op_rejects_in_one_line(
+    model_dir, npu_memory_stand_in, page_size
+):
+    """The captured decode step always calls the paged fused op (block size = page size: 16-aligned, at most 512):
+    with graphs on (the NPU default) such a page size would fail at capture, so start-up refuses it."""
+    with pytest.raises(ValueError, match=f"decode graphs.*multiple of 16 up to 512.*got {page_size}") as refused:
+        resolve(model_dir, "--device", "npu", "--page-size", page_size)
+    assert "\n" not in str(refused.value) and "--disable-cuda-graph" in str(refused.value)
+    assert resolve(model_dir, "--device", "npu", "--page-size", page_size, "--disable-cuda-graph").page_size == int(
+        page_size
+    )
+
+
+@pytest.mark.parametrize("page_size", ["16", "128", "512"])
+def test_npu_decode_graphs_take_the_page_sizes_the_paged_op_takes(model_dir, npu_memory_stand_in, page_size):
+    view = resolve(model_dir, "--device", "npu", "--page-size", page_size)
+    assert view.page_size == int(page_size) and view.cuda_graph_config.decode.backend != "disabled"
 
 
 def test_cpu_defaults_to_torch_native(model_dir):

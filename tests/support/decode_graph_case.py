@@ -2,9 +2,9 @@
 ``support/fake_npu_graph.py``): the pool, the requests and the graph state shared by ``tests/test_decode_graphs.py``
 and ``benchmarks/bench_decode_graphs.py``.
 
-A paged pool (page 128) with four layers' K/V (self, cross, self, cross), a ``req_to_token`` table (row 0 reserved,
-zeros) and five requests: an image, a text-only request, a realtime row (slot-major encoder of whole pages, frame
-window), text crossing pages and a video. Eager decode is the attention core with the batch's own metadata; the graph
+A paged pool (page 128, or another the graph path takes: 16) with four layers' K/V (self, cross, self, cross), a
+``req_to_token`` table (row 0 reserved, zeros) and five requests: an image, a text-only request, a realtime row
+(slot-major encoder of whole pages, frame window), text crossing pages and a video. Eager decode is the attention core with the batch's own metadata; the graph
 state is what stock's runner and the backend own: static inputs for the largest bucket and one recording per bucket.
 """
 
@@ -29,11 +29,10 @@ from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
 from support.fake_npu_graph import FakeNPUGraph, graph_mode
 from support.simulated_npu import npu_attention_on_cpu
 
-PAGE = 128
+PAGE = 128  # the NPU's
 HEADS, KV_HEADS, DIM = 4, 2, 32
-# Enough pages for the stand-in op's rule (the pool holds at least the blocks all rows' lengths need) at 16 rows.
-POOL_PAGES, ROW_PAGES = 64, 8
-SLOTS = POOL_PAGES * PAGE
+# Enough slots for the stand-in op's rule (the pool holds at least the blocks all rows' lengths need) at 16 rows.
+SLOTS, ROW_SLOTS = 64 * PAGE, 8 * PAGE
 BUCKETS = (1, 2, 4)
 CROSS_LAYERS = [False, True, False, True]  # the recorded calls' kinds, in capture order
 SCALE = DIM**-0.5
@@ -63,31 +62,31 @@ REPLAYS = {  # bucket -> batches replayed in it (fewer rows than the bucket: pad
 }
 
 
-def encoder_rows(request: Request, addressing: EncoderAddressing) -> int:
+def encoder_rows(request: Request, addressing: EncoderAddressing, page: int) -> int:
     if request.realtime:
-        return -(-request.vision // (addressing.bands * PAGE)) * PAGE  # whole pages, as a session's encoder grows
+        return -(-request.vision // (addressing.bands * page)) * page  # whole pages, as a session's encoder grows
     return addressing.row_len(request.vision)
 
 
 class Pool:
     """A paged pool with four layers' K/V, a req_to_token table (row 0 reserved, zeros) and the requests' rows."""
 
-    def __init__(self, dtype, addressing: EncoderAddressing, seed: int = 0, device="cpu"):
+    def __init__(self, dtype, addressing: EncoderAddressing, seed: int = 0, device="cpu", page: int = PAGE):
         generator = torch.Generator().manual_seed(seed)
-        self.addressing, self.device = addressing, torch.device(device)
+        self.addressing, self.device, self.page = addressing, torch.device(device), page
         self.k, self.v = [], []
         for cross in CROSS_LAYERS:
             rows = SLOTS * (addressing.bands if cross else 1)
             self.k.append(torch.randn(rows, KV_HEADS, DIM, generator=generator).to(self.device, dtype))
             self.v.append(torch.randn(rows, KV_HEADS, DIM, generator=generator).to(self.device, dtype))
-        self.req_to_token = torch.zeros(1 + len(REQUESTS), ROW_PAGES * PAGE, dtype=torch.int32)
+        self.req_to_token = torch.zeros(1 + len(REQUESTS), ROW_SLOTS, dtype=torch.int32)
         self.pool_row = {}
-        free_pages = (torch.randperm(POOL_PAGES - 1, generator=generator) + 1).tolist()
+        free_pages = (torch.randperm(SLOTS // page - 1, generator=generator) + 1).tolist()
         for row, (name, request) in enumerate(REQUESTS.items(), start=1):
-            length = encoder_rows(request, addressing) + request.seq_len
-            pages = [free_pages.pop() for _ in range(-(-length // PAGE))]
+            length = encoder_rows(request, addressing, page) + request.seq_len
+            pages = [free_pages.pop() for _ in range(-(-length // page))]
             columns = torch.arange(length)
-            self.req_to_token[row, :length] = torch.tensor(pages)[columns // PAGE] * PAGE + columns % PAGE
+            self.req_to_token[row, :length] = torch.tensor(pages)[columns // page] * page + columns % page
             self.pool_row[name] = row
         self.req_to_token = self.req_to_token.to(self.device)
 
@@ -95,7 +94,7 @@ class Pool:
         requests = [REQUESTS[n] for n in names]
         return DecodeRows(
             vision=[r.vision for r in requests],
-            encoder_rows=[encoder_rows(r, self.addressing) for r in requests],
+            encoder_rows=[encoder_rows(r, self.addressing, self.page) for r in requests],
             lower=[r.lower for r in requests],
             slot_major=[int(r.realtime) for r in requests],
             gate=[int(r.vision > 0) for r in requests],
@@ -118,7 +117,7 @@ def eager_decode(pool: Pool, names: list[str], queries: list[torch.Tensor]) -> l
             pool_rows,
             metadata,
             AttentionLayer(is_cross_attention=cross, scale=SCALE, causal=not cross),
-            page_size=PAGE,
+            page_size=pool.page,
             addressing=pool.addressing,
         )
         for i, (query, cross) in enumerate(zip(queries, CROSS_LAYERS))
@@ -144,10 +143,10 @@ class GraphState:
 
         def run():
             tables = make_tables(
-                view, pool.req_to_token, self.req_pool_indices[:bs], PAGE, pool.addressing, capture_kv_lengths(bs)
+                view, pool.req_to_token, self.req_pool_indices[:bs], pool.page, pool.addressing, capture_kv_lengths(bs)
             )
             return [
-                graph_decode_attention(query[:bs], pool.k[i], pool.v[i], tables.of(cross), SCALE, PAGE)
+                graph_decode_attention(query[:bs], pool.k[i], pool.v[i], tables.of(cross), SCALE, pool.page)
                 for i, (query, cross) in enumerate(zip(self.queries, CROSS_LAYERS))
             ]
 
@@ -185,7 +184,7 @@ class GraphState:
 
     def replay(self, names: list[str], queries: list[torch.Tensor], bs: int, update=per_record_update):
         rows = self.load(names, queries, bs)
-        lengths = host_kv_lengths(rows, [REQUESTS[n].seq_len for n in names], bs, PAGE, self.pool.addressing)
+        lengths = host_kv_lengths(rows, [REQUESTS[n].seq_len for n in names], bs, self.pool.page, self.pool.addressing)
         self.graphs[bs].update(cpu_update_input=update(CROSS_LAYERS, lengths))
         return [out[: len(names)] for out in self.graphs[bs].replay()]
 

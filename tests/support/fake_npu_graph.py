@@ -1,17 +1,32 @@
-"""STAND-IN for ``torch.npu.NPUGraph`` / ``torch.npu.graph`` in CPU tests: capture records a step once, replay runs
-the recording, so every Python value the step read while it was captured stays frozen, as on an Ascend device.
+"""STAND-IN for ``torch.npu.NPUGraph`` / ``torch.npu.graph(..., auto_dispatch_capture=True)`` in CPU tests: capture
+records a step once, replay runs the recording, so every Python value the step read while it was captured stays
+frozen, as on an Ascend device.
 
-What it models (torch_npu's aclgraph, as stock sglang's ``NPUCudaGraphBackend`` drives it):
+It follows torch_npu's own source, ``torch_npu/npu/graphs.py`` (Ascend/pytorch; read at the release tags named in
+:data:`RELEASES`), as stock sglang's ``NPUCudaGraphBackend.capture_one`` drives it (``auto_dispatch_capture=True``,
+which ``NPUGraph.update`` requires):
 
-- **capture** traces the step with ``make_fx(tracing_mode="real")``: tensor ops become graph nodes, and whatever the
-  step computed in Python (lists, ``int``\\ s, branches, shapes) is a constant of the recording. The fused attention op
-  (the STAND-IN ``npu_fused_infer_attention_score`` of ``tests/fake_torch_npu.py``, paged form) is recorded as one
-  node, ``fake_npu::fia_paged``, with its ``actual_seq_lengths_kv`` host list frozen in it;
-- **update** (``NPUGraph.update(cpu_update_input=[...])``): one dict is applied to every recorded fused-attention
-  call; a list of several is applied one per record, in capture order (any other count is refused);
+- **capture** (``_GraphDispatchMode.__torch_dispatch__``): a call of ``npu_fused_infer_attention_score`` is not run as
+  called. torch_npu allocates the op's outputs itself and records the op's ``.out`` form writing into them, with a
+  workspace from ``torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs)``; the call returns
+  those buffers. The LSE buffer depends on the release: 7.1.0 to 7.2.x allocate ``torch.empty(1, dtype=query.dtype)``
+  whatever ``softmax_lse_flag`` says; 7.3.0 on infer it (``_npu_fused_infer_attention_score_infer_output``, op-plugin
+  ``FusedInferAttentionScoreKernelNpuOpApi.cpp`` ``construct_fia_output_tensor``: ``[B, N, S, 1]`` float32 with the
+  flag, ``[0]`` float32 without). Here the step is traced with ``make_fx(tracing_mode="real")``: tensor ops become
+  graph nodes, Python values (lists, ``int``\\ s, branches, shapes) constants; each fused-attention call is one node,
+  ``fake_npu::fia_paged_out``, writing into the buffers the release allocates, with its ``actual_seq_lengths_kv``
+  host list frozen in it. An LSE the flag asks for that does not fit its buffer is refused (:class:`LseOverflow`):
+  on the card the kernel writes past it. The workspace is a placeholder: its size rule is not modelled;
+- **update** (``NPUGraph.update`` -> ``_GraphDispatchMode.update_capture_record``): the record list is every captured
+  fused-attention call, in capture order. One dict is copied to every record; otherwise the dicts go to the records
+  pairwise. Up to 7.3.x the count check compares the record count with itself, so it never fires: a list shorter than
+  the records leaves the later records with their capture-time lengths, a longer one is cut, silently (``zip``);
+  from 26.0.0 (handler registry, ``_npugraph_handlers/ifa_handler.py`` ``_IFAv1DefaultHandler``) a count mismatch
+  raises. A key the record does not hold: up to 7.3.x it is added to the call's keywords (the op then refuses the
+  unknown keyword); from 26.0.0 it is skipped;
 - **replay** runs the recording on whatever the tensors it reads hold now (the static buffers, updated in place).
 
-It refuses what would be wrong on the device, naming it:
+It also refuses what would be wrong on the device, naming it:
 
 - a host read during capture (``.item()``, ``.tolist()``, ``bool(tensor)``, ``nonzero``, ...): :class:`HostRead`;
 - a tensor the recording reads that was made before capture and is neither a parameter, a static buffer nor a pool
@@ -25,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -33,13 +49,35 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from fake_torch_npu import _npu_fused_infer_attention_score
 
-UPDATABLE = ("actual_seq_lengths_kv",)
-# Position of each updatable argument in the recorded op's schema (below).
-_ARGUMENT_INDEX = {"actual_seq_lengths_kv": 5}
+UPDATABLE = "actual_seq_lengths_kv"
+# Position of the updatable argument in the recorded op's schema (below).
+_UPDATABLE_INDEX = 5
+# The fused op's other keywords: updating them is not modelled.
+_FIA_KEYWORDS = {"atten_mask", "actual_seq_lengths", "block_table", "block_size", "num_heads", "scale", "sparse_mode"}
 # aten ops that read a device value on the host.
 _HOST_READ_OPS = {"_local_scalar_dense", "equal", "nonzero", "_unique2", "masked_select", "is_nonzero"}
 # aten factory ops: a tensor they make during capture comes from the graph's pool.
 _FACTORY_OPS = {"empty", "empty_strided", "zeros", "ones", "full", "new_empty", "new_zeros", "new_full", "arange"}
+
+
+@dataclass(frozen=True)
+class TorchNpuRelease:
+    """What one line of torch_npu releases does under auto-dispatch capture (module doc)."""
+
+    name: str
+    one_element_lse: bool  # the LSE buffer is torch.empty(1, dtype=query.dtype), whatever the flag
+    checks_update_count: bool  # update refuses a dict count other than 1 or the record count; skips unknown keys
+
+
+RELEASES = {
+    "7.1-7.2": TorchNpuRelease(
+        "torch_npu 7.1.0-7.2.x (tags v7.1.0-pytorch2.1.0 .. v7.2.0.1-pytorch2.8.0)", True, False
+    ),
+    "7.3": TorchNpuRelease("torch_npu 7.3.x (tags v7.3.0/v7.3.1-pytorch2.6.0 .. 2.9.0)", False, False),
+    "26": TorchNpuRelease("torch_npu 26.0.0 and later (tags v26.0.0 .. v26.2.0-pytorch2.13.0, master)", False, True),
+}
+# The strictest line about the LSE buffer; tests/test_decode_graphs.py runs the production step under every line.
+DEFAULT_RELEASE = RELEASES["7.1-7.2"]
 
 
 class HostRead(RuntimeError):
@@ -50,8 +88,30 @@ class NotCaptureSafe(RuntimeError):
     """A captured step reads or keeps a tensor it may not (see the module doc)."""
 
 
-@torch.library.custom_op("fake_npu::fia_paged", mutates_args=())
-def fia_paged(
+class LseOverflow(RuntimeError):
+    """A captured fused-attention call asks for an LSE larger than the buffer torch_npu allocated for it."""
+
+
+def _fia_paged(query, key, value, block_table, block_size, actual_seq_lengths_kv, atten_mask, num_heads, kv_heads,
+               scale, softmax_lse_flag):  # fmt: skip
+    return _npu_fused_infer_attention_score(
+        query,
+        key,
+        value,
+        block_table=block_table,
+        block_size=block_size,
+        actual_seq_lengths_kv=actual_seq_lengths_kv,
+        atten_mask=atten_mask,
+        num_heads=num_heads,
+        num_key_value_heads=kv_heads,
+        scale=scale,
+        input_layout="BNSD",
+        softmax_lse_flag=softmax_lse_flag,
+    )
+
+
+@torch.library.custom_op("fake_npu::fia_paged_out", mutates_args=("output", "softmax_lse"))
+def fia_paged_out(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -62,54 +122,61 @@ def fia_paged(
     num_heads: int,
     num_key_value_heads: int,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The paged FIA stand-in as one op, so a recording holds each call as one node with its host lengths."""
-    out, lse = _npu_fused_infer_attention_score(
-        query,
-        key,
-        value,
-        block_table=block_table,
-        block_size=block_size,
-        actual_seq_lengths_kv=actual_seq_lengths_kv,
-        atten_mask=atten_mask,
-        num_heads=num_heads,
-        num_key_value_heads=num_key_value_heads,
-        scale=scale,
-        input_layout="BNSD",
-        softmax_lse_flag=True,
-    )
-    return out, lse.clone()
+    softmax_lse_flag: bool,
+    workspace: torch.Tensor,
+    output: torch.Tensor,
+    softmax_lse: torch.Tensor,
+) -> None:
+    """The paged FIA's ``.out`` form as one op: what a recording holds for each captured call."""
+    out, lse = _fia_paged(query, key, value, block_table, block_size, actual_seq_lengths_kv, atten_mask, num_heads,
+                          num_key_value_heads, scale, softmax_lse_flag)  # fmt: skip
+    output.copy_(out)
+    if not softmax_lse_flag:
+        return
+    if softmax_lse.numel() < lse.numel():
+        raise LseOverflow(
+            f"npu_fused_infer_attention_score.out with softmax_lse_flag=True writes a {tuple(lse.shape)} float32 LSE "
+            f"into the {softmax_lse.numel()}-element {softmax_lse.dtype} softmax_lse buffer torch_npu allocated at "
+            "capture: on the card it writes past that buffer"
+        )
+    softmax_lse.view(-1)[: lse.numel()] = lse.reshape(-1)
+
+
+_CAPTURING: list[TorchNpuRelease] = []  # the release of the capture under way (at most one)
 
 
 def recordable_fia(query, key, value, *, block_table=None, block_size=0, actual_seq_lengths_kv=None, **kwargs):
-    """The paged form (what a captured decode calls: K/V read in place) routed through the recordable op; any other
-    call (an eager step's gathered attention) goes to the plain stand-in."""
-    if block_table is None:
+    """Outside capture: the plain stand-in. During capture: torch_npu's rewrite of the paged BNSD call to its
+    ``.out`` form with the buffers the capture's release allocates (module doc); other forms are not modelled."""
+    if not _CAPTURING:
         return _npu_fused_infer_attention_score(
-            query, key, value, actual_seq_lengths_kv=actual_seq_lengths_kv, **kwargs
-        )
-    if kwargs.pop("input_layout", "BNSD") != "BNSD" or not kwargs.pop("softmax_lse_flag", True):
-        raise NotImplementedError("fake NPU graph: only the paged BNSD fused attention call with its LSE is recordable")
+            query, key, value, block_table=block_table, block_size=block_size,
+            actual_seq_lengths_kv=actual_seq_lengths_kv, **kwargs,
+        )  # fmt: skip
+    if block_table is None or kwargs.pop("input_layout", "BSH") != "BNSD":
+        raise NotImplementedError("fake NPU graph: only the paged BNSD fused attention call is recordable")
+    flag = kwargs.pop("softmax_lse_flag", False)
     unexpected = set(kwargs) - {"atten_mask", "num_heads", "num_key_value_heads", "scale"}
     if unexpected:
         raise NotImplementedError(f"fake NPU graph: FIA arguments {sorted(unexpected)} are not recordable")
-    return fia_paged(
-        query,
-        key,
-        value,
-        block_table,
-        block_size,
-        list(actual_seq_lengths_kv),
-        kwargs.get("atten_mask"),
-        kwargs["num_heads"],
-        kwargs["num_key_value_heads"],
-        kwargs["scale"],
-    )
+    release = _CAPTURING[-1]
+    batch, heads, rows, _ = query.shape
+    output = torch.empty_like(query)
+    if release.one_element_lse:
+        softmax_lse = torch.empty(1, dtype=query.dtype, device=query.device)
+    else:
+        shape = (batch, heads, rows, 1) if flag else (0,)
+        softmax_lse = torch.empty(shape, dtype=torch.float32, device=query.device)
+    workspace = torch.empty(1, dtype=query.dtype, device=query.device)
+    fia_paged_out(query, key, value, block_table, block_size, list(actual_seq_lengths_kv), kwargs.get("atten_mask"),
+                  kwargs["num_heads"], kwargs["num_key_value_heads"], kwargs["scale"], flag, workspace, output,
+                  softmax_lse)  # fmt: skip
+    return output, softmax_lse
 
 
 @contextlib.contextmanager
 def graph_mode(torch_npu):
-    """The stand-in torch_npu's paged fused attention routed through the recordable op (warm-ups, capture, replays)."""
+    """The stand-in torch_npu's fused attention routed through :func:`recordable_fia` (warm-ups, capture, replays)."""
     original = torch_npu.npu_fused_infer_attention_score
     torch_npu.npu_fused_infer_attention_score = recordable_fia
     try:
@@ -151,17 +218,23 @@ def _storages(tensors: Iterable[torch.Tensor]) -> set[int]:
 
 
 class FakeNPUGraph:
-    """One recorded step (``torch.npu.NPUGraph``): :meth:`capture`, then :meth:`update` and :meth:`replay`."""
+    """One recorded step (``torch.npu.NPUGraph``): :meth:`capture`, then :meth:`update` and :meth:`replay`, as the
+    torch_npu ``release`` does them (:data:`RELEASES`)."""
 
-    def __init__(self):
+    def __init__(self, release: TorchNpuRelease = DEFAULT_RELEASE):
+        self.release = release
         self.recording: torch.fx.GraphModule | None = None
 
     def capture(self, step: Callable[[], object], *, may_read: Iterable[torch.Tensor]):
         """Record ``step`` (a closure over its static inputs, as stock's captured forward is). ``may_read``: the
         parameters, static buffers and pool tensors the recording may read. Returns the capture run's output."""
         watch = _CaptureWatch()
-        with watch:
-            recording = make_fx(step, tracing_mode="real")()
+        _CAPTURING.append(self.release)
+        try:
+            with watch:
+                recording = make_fx(step, tracing_mode="real")()
+        finally:
+            _CAPTURING.pop()
         with _disable_current_modes():
             output = recording()
         allowed = _storages(may_read)
@@ -186,27 +259,29 @@ class FakeNPUGraph:
         return output
 
     def fia_records(self) -> list[torch.fx.Node]:
+        """The records ``NPUGraph.update`` walks: every captured fused-attention call, in capture order."""
         return [
             node
             for node in self.recording.graph.nodes
-            if node.op == "call_function" and node.target is torch.ops.fake_npu.fia_paged.default
+            if node.op == "call_function" and node.target is torch.ops.fake_npu.fia_paged_out.default
         ]
 
     def update(self, cpu_update_input: list[dict]) -> None:
-        """torch_npu's rule: one dict for every recorded call, or one dict per recorded call in capture order."""
+        """``NPUGraph.update(cpu_update_input=...)`` as the release does it (module doc)."""
         records = self.fia_records()
         if len(cpu_update_input) == 1:
-            updates = cpu_update_input * len(records)
-        elif len(cpu_update_input) == len(records):
-            updates = cpu_update_input
-        else:
-            raise ValueError(f"NPUGraph.update: {len(cpu_update_input)} dicts for {len(records)} recorded calls")
-        for node, update in zip(records, updates):
+            cpu_update_input = [dict(cpu_update_input[0]) for _ in records]
+        if self.release.checks_update_count and len(cpu_update_input) != len(records):
+            raise RuntimeError(f"NPUGraph.update: {len(cpu_update_input)} dicts for {len(records)} recorded calls")
+        for node, update in zip(records, cpu_update_input):  # up to 7.3.x a count mismatch passes: zip cuts it
             arguments = list(node.args)
             for name, value in update.items():
-                if name not in UPDATABLE:
-                    raise ValueError(f"NPUGraph.update: {name!r} is not an updatable argument")
-                arguments[_ARGUMENT_INDEX[name]] = list(value)
+                if name == UPDATABLE:
+                    arguments[_UPDATABLE_INDEX] = list(value)
+                elif name in _FIA_KEYWORDS:
+                    raise NotImplementedError(f"fake NPU graph: updating {name!r} is not modelled")
+                elif not self.release.checks_update_count:
+                    raise TypeError(f"npu_fused_infer_attention_score.out() got an unexpected keyword {name!r}")
             node.args = tuple(arguments)
         self.recording.recompile()
 

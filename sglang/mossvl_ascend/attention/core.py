@@ -55,7 +55,7 @@ from mossvl_ascend.attention.primitives import (
     BatchLengths,
     accumulate_by_lse,
     attention_with_lse,
-    npu_paged_attention_with_lse,
+    npu_paged_attention,
     takes_lengths,
 )
 
@@ -580,7 +580,7 @@ def _paged_group_attention(
     )
     tables = metadata.cached(("paged", is_cross, group.requests, page_size), build)
     q = query[group.query_index].permute(0, 2, 1, 3)
-    out, _ = npu_paged_attention_with_lse(
+    out = npu_paged_attention(
         q,
         k_cache.view(-1, page_size, k_cache.shape[1] * k_cache.shape[2]),
         v_cache.view(-1, page_size, v_cache.shape[1] * v_cache.shape[2]),

@@ -31,7 +31,7 @@ import torch
 
 from mossvl_ascend.attention.decode_step import DecodeRows, DecodeView
 from mossvl_ascend.attention.kv_layout import EncoderAddressing
-from mossvl_ascend.attention.primitives import npu_paged_attention_with_lse
+from mossvl_ascend.attention.primitives import npu_paged_attention
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def graph_decode_attention(
 ) -> torch.Tensor:
     """One layer's decode attention for the bucket: query ``[bs, heads, dim]``, the pool's ``[slots, kv_heads, dim]``
     K/V; returns ``[bs, heads, v_dim]``, zero on a row that sees no key."""
-    out, _ = npu_paged_attention_with_lse(
+    out = npu_paged_attention(
         query[:, :, None, :],
         k_cache.view(-1, page_size, k_cache.shape[1] * k_cache.shape[2]),
         v_cache.view(-1, page_size, v_cache.shape[1] * v_cache.shape[2]),

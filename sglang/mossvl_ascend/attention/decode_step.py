@@ -101,7 +101,11 @@ class DecodeBuffers:
             raise ValueError(f"{rows.batch_size} decode rows do not fit a bucket of {bs} (largest {self.max_bs})")
         self._staging[:, :bs].zero_()
         self._staging[:, : rows.batch_size] = torch.tensor([getattr(rows, name) for name in FIELDS])
-        self.table[:, :bs].copy_(self._staging[:, :bs], non_blocking=True)
+        # Synchronous: the staging buffer is pageable and reused every step, and a non-blocking copy from it may
+        # still be unread on the device when the next fill overwrites it. Pinning alone would not make reuse safe
+        # (that needs an event per fill); the copy is a few hundred bytes, and stock's NPU replay already waits
+        # for the previous replay before its update (``NPUCudaGraphBackend.replay_with_input_update``).
+        self.table[:, :bs].copy_(self._staging[:, :bs])
         self._fills += 1
         self.step.fill_(self._fills)
         return self.view(bs)

@@ -192,19 +192,24 @@ def npu_compressed_causal_mask(device: torch.device) -> torch.Tensor:
     return torch.ones(size, size, dtype=torch.bool, device=device).triu_(1)
 
 
-def npu_paged_attention_with_lse(q, k_pages, v_pages, scale, *, block_table, block_size, kv_ends, masked_out=None):
-    """Attention straight from the paged KV pool: ``npu_fused_infer_attention_score`` with ``block_table``.
+def npu_paged_attention(q, k_pages, v_pages, scale, *, block_table, block_size, kv_ends, masked_out=None):
+    """Attention straight from the paged KV pool: ``npu_fused_infer_attention_score`` with ``block_table``, no LSE.
 
     q ``[B, Hq, rows, D]``; k/v_pages ``[num_blocks, block_size, Hk * D]`` (the pool, no copy); block_table
     int32 ``[B, max_blocks]``; kv_ends host ints, keys at positions ``>= kv_ends[b]`` unseen
     (``actual_seq_lengths_kv``), each > 0; masked_out bool ``[B, 1, rows, max_blocks * block_size]`` or None, True
     where a position is hidden (the encoder in front of a request's text, which a block table cannot skip); every
-    row must see a key. All built once per forward by the caller: no device read or copy here. Returns (out, lse)
-    like :func:`attention_with_lse`. Written to the torch_npu documentation; not run on an Ascend card.
+    row must see a key. All built once per forward by the caller: no device read or copy here. Returns out
+    ``[B, Hq, rows, D]`` in q's dtype. Written to the torch_npu documentation; not run on an Ascend card.
+
+    ``softmax_lse_flag=False``: no caller merges this call's LSE, and inside an NPU decode graph torch_npu records the
+    call's ``.out`` form with an LSE buffer of its own making, one element in torch_npu 7.1-7.2 whatever the flag
+    says (``torch_npu/npu/graphs.py``, ``_GraphDispatchMode.__torch_dispatch__``): with the flag the kernel would write
+    a ``[B, Hq, rows, 1]`` LSE past it.
     """
     import torch_npu
 
-    out, lse = torch_npu.npu_fused_infer_attention_score(
+    out, _ = torch_npu.npu_fused_infer_attention_score(
         q.contiguous(),
         k_pages,
         v_pages,
@@ -216,9 +221,9 @@ def npu_paged_attention_with_lse(q, k_pages, v_pages, scale, *, block_table, blo
         block_size=block_size,
         actual_seq_lengths_kv=kv_ends,
         atten_mask=masked_out,
-        softmax_lse_flag=True,
+        softmax_lse_flag=False,
     )
-    return out, lse.squeeze(-1).float()
+    return out
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 
 from __future__ import annotations
 
-import bisect
 import logging
 
 import torch
@@ -78,34 +77,57 @@ def cross_layers_in_order(model_config) -> list[bool]:
     return [layer in cross for layer in range(text.num_hidden_layers)]
 
 
-def fill_from_the_real_batch(original, runner, forward_batch, *args, **kwargs):
-    """AROUND ``NPUGraphRunner.execute``: before stock pads the batch into its buffers (which carry no request's
-    multimodal inputs), the real rows go into the static inputs with one copy, and the replay's per-record KV
-    lengths wait on the graph backend for ``replay_with_input_update``."""
+def fill_the_bucket_stock_chose(original, runner, forward_batch, *args, **kwargs):
+    """AROUND ``NPUGraphRunner.load_batch``: once stock has padded the batch into its buffers (which carry no
+    request's multimodal inputs) and chosen the bucket (``runner.bs``: under DP attention the largest rank's batch
+    decides it), the real rows go into the static inputs with one copy, zeros up to that bucket, and the replay's
+    per-record KV lengths, one per row of that bucket, wait on the graph backend for ``replay_with_input_update``."""
+    result = original(runner, forward_batch, *args, **kwargs)
     backend = runner.model_runner.attn_backend
     buffers = side_channel.DECODE_BUFFERS.get(backend)
     if buffers is None or not _encoder_decode(forward_batch):
-        return original(runner, forward_batch, *args, **kwargs)
-    bs = runner.capture_bs[bisect.bisect_left(runner.capture_bs, forward_batch.batch_size)]
+        return result
     addressing = addressing_of_pool(backend.token_to_kv_pool)
     rows = DecodeRows.of_forward_batch(forward_batch, addressing)
-    buffers.fill(rows, bs)
-    lengths = host_kv_lengths(rows, forward_batch.seq_lens_cpu.tolist(), bs, backend.page_size, addressing)
+    buffers.fill(rows, runner.bs)
+    lengths = host_kv_lengths(rows, forward_batch.seq_lens_cpu.tolist(), runner.bs, backend.page_size, addressing)
     update = per_record_update(cross_layers_in_order(runner.model_runner.model_config), lengths)
     side_channel.GRAPH_UPDATE.set(runner.backend, update)
-    try:
-        return original(runner, forward_batch, *args, **kwargs)
-    finally:
-        side_channel.GRAPH_UPDATE.set(runner.backend, None)
+    return result
 
 
 def update_every_record(original, graph_backend, shape_key, *args, **kwargs):
     """AROUND ``NPUCudaGraphBackend.replay_with_input_update``: a MOSS-VL replay passes one dict per recorded call
-    (self- and cross-attention layers see different KV lengths) instead of stock's one dict for all."""
+    (self- and cross-attention layers see different KV lengths) instead of stock's one dict for all; each update
+    serves one replay."""
     update = side_channel.GRAPH_UPDATE.get(graph_backend)
     if update is not None:
         kwargs["cpu_update_input"] = update
+        side_channel.GRAPH_UPDATE.set(graph_backend, None)
     return original(graph_backend, shape_key, *args, **kwargs)
+
+
+class DecodeGraphCaptureFailed(Exception):
+    """The NPU decode graph could not be captured; one line says where and how to start without it (not a
+    RuntimeError: stock's runner would wrap that in its own multi-line advice)."""
+
+
+def name_a_failed_capture(original, runner, *args, **kwargs):
+    """AROUND ``NPUGraphRunner.capture``: a capture that fails on the card (a kernel or CANN version not foreseen)
+    ends start-up with one line naming the bucket, the error and ``--disable-cuda-graph``; the error stays chained."""
+    backend = runner.model_runner.attn_backend
+    if side_channel.DECODE_BUFFERS.get(backend) is None:
+        return original(runner, *args, **kwargs)
+    try:
+        return original(runner, *args, **kwargs)
+    except Exception as error:
+        view = side_channel.DECODE_VIEW.get(backend)
+        bucket = f"batch size {view.vision.shape[0]}" if view is not None else "its first batch size"
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise DecodeGraphCaptureFailed(
+            f"MOSS-VL on NPU: capturing the decode graph failed at {bucket} ({type(error).__name__}: {first_line}); "
+            "start the server with --disable-cuda-graph to decode without graphs (slower), and report the error."
+        ) from error
 
 
 def text_rows_in_the_graph(original, runner, forward_batch, *args, **kwargs):
@@ -169,22 +191,39 @@ PATCHES = (
         "them (`patches.ascend_backend` routes a captured decode to `attention.decode_graph`).",
     ),
     _graph_patch(
-        "each replay's rows from the real batch",
-        f"{NPU_RUNNER}.execute",
-        fill_from_the_real_batch,
-        "the real batch's rows (`DecodeRows.of_forward_batch`) go into the static inputs with one "
-        "host-to-device copy, zeros for the bucket's padding rows; the replay's KV lengths per recorded call "
-        "(`decode_graph.host_kv_lengths`, `per_record_update` in layer order) wait on the graph backend.",
+        "each replay's rows from the real batch, in the bucket stock chose",
+        f"{NPU_RUNNER}.load_batch",
+        fill_the_bucket_stock_chose,
+        "after stock's `load_batch` (which picks the bucket, `runner.bs`: under DP attention or MLP sync the largest "
+        "rank's batch decides it), the real batch's rows (`DecodeRows.of_forward_batch`) go into the static inputs "
+        "with one host-to-device copy, zeros for the bucket's padding rows; the replay's KV lengths per recorded "
+        "call, one per row of that bucket (`decode_graph.host_kv_lengths`, `per_record_update` in layer order), "
+        "wait on the graph backend.",
         why=_WHY + " The padded replay batch stock builds carries no request's multimodal inputs.",
     ),
     _graph_patch(
         "one update dict per recorded attention call",
         f"{NPU_GRAPH_BACKEND}.replay_with_input_update",
         update_every_record,
-        "a MOSS-VL replay's `cpu_update_input` is the list of one dict per recorded call, in capture order.",
+        "a MOSS-VL replay's `cpu_update_input` is the list of one dict per recorded call, in capture order (used "
+        "once: the next replay brings its own).",
         why=(
             "stock passes one dict, which torch_npu's `NPUGraph.update` applies to every recorded fused-attention "
             "call; MOSS-VL's self- and cross-attention layers read different KV lengths."
+        ),
+    ),
+    _graph_patch(
+        "a failed capture ends start-up with one line",
+        f"{NPU_RUNNER}.capture",
+        name_a_failed_capture,
+        "an error in the capture of a backend with MOSS-VL decode buffers becomes `DecodeGraphCaptureFailed`: one "
+        "line naming the bucket being captured, the error's type and first line, and `--disable-cuda-graph`, the "
+        "error chained. Chosen over a fallback to eager decode: a fallback would serve at eager speed (on Ascend, "
+        "host-bound: about half the decode rate) behind one warning, and its cost cannot be measured without a card.",
+        why=(
+            "nothing of the captured path has run on an Ascend card; a kernel or CANN version we did not foresee "
+            "fails inside stock's capture loop, which shows a traceback (a RuntimeError also gets stock's generic "
+            "advice, which names neither MOSS-VL nor `--disable-cuda-graph`)."
         ),
     ),
     _graph_patch(

@@ -19,7 +19,8 @@ FORBIDDEN_ASCEND_ENVS = ("ASCEND_USE_FIA", "ASCEND_USE_FA")
 PAGED_ATTENTION_ENV = "MOSSVL_NPU_PAGED_ATTENTION"
 # torch_npu's fused attention and the ATB KV-cache write take fp16/bf16 only (no fp32 kernels).
 NPU_DTYPES = ("auto", "half", "float16", "bfloat16")
-# The paged fused-attention call on one-row groups: the block size must be a non-zero multiple of 16, at most 512.
+# The paged fused-attention call (one-row groups with the env, every captured decode step): the block size must be a
+# non-zero multiple of 16, at most 512.
 NPU_PAGED_BLOCK_ALIGN, NPU_PAGED_BLOCK_MAX = 16, 512
 
 
@@ -42,15 +43,23 @@ def _refuse_fused_ascend_extend() -> None:
         )
 
 
-def _refuse_what_the_npu_kernels_reject(dtype: str, page_size: int) -> None:
-    """Fail at start-up, not in the first forward, on a dtype or page size the Ascend kernels reject."""
+def _refuse_what_the_npu_kernels_reject(dtype: str, page_size: int, decode_graphs: bool) -> None:
+    """Fail at start-up, not in the first forward or the graph capture, on a dtype or page size the Ascend kernels
+    reject."""
     if dtype not in NPU_DTYPES:
         raise ValueError(
             f"MOSS-VL on NPU cannot run with --dtype {dtype}: the Ascend fused attention op and the KV-cache "
             "write take float16/bfloat16 only. Use --dtype bfloat16 (or float16, or auto)."
         )
     paged = os.environ.get(PAGED_ATTENTION_ENV) == "1"
-    if paged and (page_size % NPU_PAGED_BLOCK_ALIGN or not 0 < page_size <= NPU_PAGED_BLOCK_MAX):
+    block_size_taken = page_size % NPU_PAGED_BLOCK_ALIGN == 0 and 0 < page_size <= NPU_PAGED_BLOCK_MAX
+    if decode_graphs and not block_size_taken:
+        raise ValueError(
+            f"MOSS-VL on NPU with decode graphs on needs --page-size a multiple of {NPU_PAGED_BLOCK_ALIGN} up to "
+            f"{NPU_PAGED_BLOCK_MAX} (the captured step's paged fused-attention block size); got {page_size}. The "
+            "default 128 works, or add --disable-cuda-graph to decode without graphs."
+        )
+    if paged and not block_size_taken:
         raise ValueError(
             f"MOSS-VL on NPU with {PAGED_ATTENTION_ENV}=1 needs --page-size a multiple of {NPU_PAGED_BLOCK_ALIGN} "
             f"up to {NPU_PAGED_BLOCK_MAX} (the paged fused-attention block size); got {page_size}. The default 128 "
@@ -70,7 +79,7 @@ def npu_declarations(server_args: Any) -> Dict[str, Any]:
 
     _refuse_fused_ascend_extend()
     cfg = resolving_view(server_args)
-    _refuse_what_the_npu_kernels_reject(cfg.dtype, cfg.page_size)
+    _refuse_what_the_npu_kernels_reject(cfg.dtype, cfg.page_size, _decode_graphs_on(cfg))
     # Raw record fields are what the user typed; the view already carries the stock NPU
     # defaults, which replace explicit choices.
     base = server_args.attention_backend or "ascend"
@@ -87,17 +96,21 @@ def npu_declarations(server_args: Any) -> Dict[str, Any]:
     return declared
 
 
-def _log_decode_graphs(cfg: Any) -> None:
-    """Decode graphs keep stock's NPU setting (on, stock's buckets); one line says what was chosen and why."""
+def _decode_graphs_on(cfg: Any) -> bool:
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
+    return cfg.cuda_graph_config.decode.backend != Backend.DISABLED
+
+
+def _log_decode_graphs(cfg: Any) -> None:
+    """Decode graphs keep stock's NPU setting (on, stock's buckets); one line says what was chosen and why."""
     if cfg.enable_torch_compile:
         raise ValueError(
             "MOSS-VL on NPU cannot run with --enable-torch-compile: the NPU decode graph of its cross-attention "
             "layers is captured by torch_npu's graph (on by default); drop the flag."
         )
     decode = cfg.cuda_graph_config.decode
-    if decode.backend == Backend.DISABLED:
+    if not _decode_graphs_on(cfg):
         logger.info("MOSS-VL on NPU: decode graphs off (--disable-cuda-graph or a decode graph setting).")
     else:
         logger.info(
@@ -188,8 +201,9 @@ PATCHES = (
             "`--enable-torch-compile` is refused); start-up "
             "is refused when `ASCEND_USE_FIA`/`ASCEND_USE_FA` are set (those extend paths ignore the encoder "
             "prefix), with `--dtype float32` (the fused attention op and the ATB KV write take fp16/bf16 only), and, "
-            f"with `{PAGED_ATTENTION_ENV}=1`, with a page size that is not a multiple of 16 up to 512 (the paged "
-            "op's block-size rule); one line logs the dtype, page size and one-row attention path chosen. On "
+            f"with decode graphs on or `{PAGED_ATTENTION_ENV}=1`, with a page size that is not a multiple of 16 up "
+            "to 512 (the paged op's block-size rule: the captured decode step always calls it); one line logs "
+            "the dtype, page size and one-row attention path chosen. On "
             "`cpu`: `torch_native` unless the user chose a backend. On both, with the radix cache on or "
             "off, chunked prefill stays on: stock `handle_model_capability_adjustments` forces `chunked_prefill_size = "
             "-1` for MOSS-VL because a cut could split the encoder span, which `chunked_prefill` prevents; the "
