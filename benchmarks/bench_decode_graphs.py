@@ -11,7 +11,14 @@ Host ops per decode step: the aten ops the host dispatches for the attention of 
 the NPU decode graph's replay (``attention.decode_graph`` recorded by the graph STAND-IN of
 ``tests/support/fake_npu_graph.py``: on a device one replay launch; the recording's node count is what it replaces).
 
-Run: make bench-graphs
+``--first-batches``: instead, one graph server (buckets {1, 4, 8}, dynamo's ``recompiles`` log on): after start-up
+and one image request of one token (a prefill and no decode step: the first image's processing and the first prefill
+cost seconds whatever the graphs do), a batch of 1, 4 and 8 image requests (one native batch request each, distinct
+prompts), first without then with logprobs, each size twice: the wall time of the first batch against the second, and
+the recompile lines each logged. Serving must run what start-up captured: no recompile, and a first batch about as
+fast as a later one.
+
+Run: make bench-graphs [ARGS=--first-batches]
 (or SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=cpu_shim .venv/bin/python benchmarks/bench_decode_graphs.py)
 """
 
@@ -35,6 +42,11 @@ from serving.launch import SglangServer  # noqa: E402
 BATCHES = (1, 8, 16)
 CAPTURE_LINE = re.compile(r"Capture target decode CPU graph end\..*?elapsed=([0-9.]+) s")
 BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup"]
+FIRST_BATCHES = (1, 4, 8)
+# Stock's switch that releases a native batch request to the scheduler at once (its requests decode together), and
+# dynamo's recompile log: one "Recompiling function" line per compile after a frame's first.
+FIRST_BATCH_ENV = {"SGLANG_ENABLE_COLOCATED_BATCH_GEN": "1", "TORCH_LOGS": "recompiles"}
+RECOMPILE_LINE = re.compile(r"Recompiling function")
 
 
 def served_tpots(server, batches, max_tokens: int, rounds: int) -> dict[int, list[float]]:
@@ -98,14 +110,79 @@ def _monkeypatch():
     return pytest.MonkeyPatch.context()
 
 
+def recompile_lines(server) -> int:
+    return len(RECOMPILE_LINE.findall(server.log_path.read_text(errors="replace")))
+
+
+def timed_batch(server, processor, size: int, logprobs: bool, max_tokens: int, tag: str) -> float:
+    """Seconds for ``size`` one-image requests sent as one native batch request (prompts distinct by ``tag``)."""
+    import requests
+
+    from support.serving import image, native_chat_input
+
+    inputs = [
+        native_chat_input(processor, [image("square_64.png", f"What is in image {tag}-{i}?")]) for i in range(size)
+    ]
+    body = {
+        "text": [text for text, _, _ in inputs],
+        "image_data": [image_urls for _, image_urls, _ in inputs],
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        "return_logprob": logprobs,
+    }
+    started = time.monotonic()
+    requests.post(f"{server.base_url}/generate", json=body, timeout=1200).raise_for_status()
+    return time.monotonic() - started
+
+
+def first_batches(checkpoint, max_tokens: int) -> None:
+    """The ``--first-batches`` run (see the module's docstring)."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
+    graph_args = ["--enable-torch-compile", "--cuda-graph-bs-decode", *map(str, FIRST_BATCHES)]
+    server = SglangServer(checkpoint, extra_args=BASE_ARGS + graph_args, env=FIRST_BATCH_ENV, name="bench-first")
+    server.ready_timeout_s = 1200
+    with server:
+        at_start = recompile_lines(server)
+        warm_up_s = timed_batch(server, processor, 1, False, 1, "warm-up")
+        rows = []
+        for logprobs in (False, True):
+            for size in FIRST_BATCHES:
+                row = []
+                for attempt in ("first", "second"):
+                    before = recompile_lines(server)
+                    seconds = timed_batch(server, processor, size, logprobs, max_tokens, f"{logprobs}-{attempt}")
+                    row.append((seconds, recompile_lines(server) - before))
+                rows.append((size, logprobs, row))
+    print(
+        f"tiny checkpoint, fp32, CPU, buckets {list(FIRST_BATCHES)}, {max_tokens} tokens per request, load average "
+        f"{os.getloadavg()[0]:.1f}; recompile lines during start-up (the capture): {at_start}; the one-token "
+        f"warm-up request: {warm_up_s:.2f} s"
+    )
+    header = ("batch", "logprobs", "first s", "second s", "first/second", "recompiles 1st", "recompiles 2nd")
+    print(" ".join(f"{title:>14}" for title in header))
+    for size, logprobs, ((first, first_n), (second, second_n)) in rows:
+        cells = (size, logprobs, f"{first:.2f}", f"{second:.2f}", f"{first / second:.2f}", first_n, second_n)
+        print(" ".join(f"{cell!s:>14}" for cell in cells))
+    worst = max(first / second for _, _, ((first, _), (second, _)) in rows)
+    recompiles = sum(first_n + second_n for _, _, ((_, first_n), (_, second_n)) in rows)
+    print(f"RESULT first_over_second_max={worst:.2f} recompiles_after_startup={recompiles}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every batch size per server")
+    parser.add_argument(
+        "--first-batches", action="store_true", help="first vs second batch and recompiles after start-up, only"
+    )
     args = parser.parse_args()
     from moss_vl_reference.tiny_checkpoint import build_or_reuse
 
     checkpoint = build_or_reuse("tiny")
+    if args.first_batches:
+        first_batches(checkpoint, args.max_tokens)
+        return
     graph_args = ["--enable-torch-compile", "--cuda-graph-bs-decode", *map(str, BATCHES)]
     results = {}
     for name, extra in (("eager", []), ("graph", graph_args)):

@@ -12,6 +12,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.layer_boundary.exit import ExitDecision
 from sglang.srt.layers.layer_boundary.residual.stream import Contribution
+from sglang.srt.model_executor.forward_batch_info import enable_num_token_non_padded
 from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend import side_channel
@@ -46,17 +47,42 @@ class GraphReadyTorchNativeBackend(TorchNativeAttnBackend):
         side_channel.DECODE_VIEW.set(self, side_channel.DECODE_BUFFERS.get(self).fill(NO_ROWS, bs))
 
 
-def fill_decode_inputs(original, runner, forward_batch, *args, **kwargs):
-    """AROUND hook on ``CPUGraphRunner.prepare_replay``: the real batch's decode rows (read on the host, before
-    stock copies the batch into a padded bucket that no longer carries its requests) go into the static buffers."""
+def fill_decode_inputs(original, runner, forward_batch, skip: bool = False):
+    """AROUND hook on ``CPUGraphRunner.prepare_replay``: every replay calls the compiled step with the ForwardBatch it
+    was captured with, its static tensors refilled in place, and the real batch's decode rows (read on the host first:
+    a padded bucket's batch no longer carries its requests) go into the static decode buffers."""
     backend = runner.model_runner.attn_backend
     buffers = side_channel.DECODE_BUFFERS.get(backend)
     if buffers is None or forward_batch.encoder_lens is None:
-        return original(runner, forward_batch, *args, **kwargs)
+        return original(runner, forward_batch, skip=skip)
     rows = DecodeRows.of_forward_batch(forward_batch, addressing_of_pool(runner.model_runner.token_to_kv_pool))
-    prepared = original(runner, forward_batch, *args, **kwargs)
+    if forward_batch.batch_size in runner.graphs:
+        prepared = refill_the_captured_batch(runner, forward_batch, skip)
+    else:
+        prepared = original(runner, forward_batch, skip=skip)
     side_channel.DECODE_VIEW.set(backend, buffers.fill(rows, prepared.batch_size))
     return prepared
+
+
+def refill_the_captured_batch(runner, forward_batch, skip: bool):
+    """A batch of a captured size copied into the ForwardBatch captured at that size, as stock does for a padded
+    batch (with no padding rows to reset). Stock replays such a batch with the serving ForwardBatch itself, which the
+    capture's guards reject (its ``mrope_positions`` is contiguous, the captured one a slice of a wider buffer; a
+    logprob request's ``top_logprobs_nums`` is a list, the captured one None): dynamo compiled the step again at the
+    first batch of each size and each logprob variant. Decode logprobs come from the returned logits, outside the
+    compiled step (``Sampler``), so the captured batch's "no logprobs" is not a loss."""
+    captured = (runner.captured_forward_batches if skip else runner.captured_forward_batches_cross)[
+        forward_batch.batch_size
+    ]
+    for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions", "encoder_lens"):
+        getattr(captured, name).copy_(getattr(forward_batch, name))
+    if forward_batch.mrope_positions is not None:
+        captured.mrope_positions.copy_(forward_batch.mrope_positions)
+    if enable_num_token_non_padded():
+        captured.num_token_non_padded.copy_(forward_batch.global_num_token_non_padded)
+    captured.encoder_out_cache_loc = None
+    runner.model_runner.attn_backend.init_forward_metadata(captured)
+    return captured
 
 
 def traceable_twin(struct: type) -> type:
@@ -147,7 +173,7 @@ PATCHES = (
         remove_when="stock's torch_native backend implements the CPU graph runner's interface",
     ),
     Patch(
-        title="CPU decode graphs: each replay's static decode inputs from the real batch",
+        title="CPU decode graphs: every replay calls the captured step, its static inputs filled from the real batch",
         target=f"{CPU_GRAPH_RUNNER}.prepare_replay",
         kind=HookType.AROUND,
         hook=fill_decode_inputs,
@@ -156,12 +182,19 @@ PATCHES = (
             "a compiled decode step must not read per-request Python values (each would be frozen into the graph "
             "or force a recompile), and when stock pads a batch to a captured size it replays the capture-time "
             "ForwardBatch, which carries no request's multimodal inputs (encoder rows, frame windows, visible-frame "
-            "counts)."
+            "counts). A batch of exactly a captured size stock replays with the serving ForwardBatch instead, which "
+            "fails the capture's guards (`mrope_positions` contiguous where the captured one is a slice of a wider "
+            "buffer; `top_logprobs_nums` a list on a logprob request): dynamo compiled the step again at the first "
+            "batch of each size and of each logprob variant (TORCH_LOGS=recompiles; tiny checkpoint, buckets "
+            "{1, 4, 8}, a loaded 2-core machine: the first batch of 4 took 104.8 s, the next 0.24 s)."
         ),
         how=(
             "before stock prepares the replay, the real batch's decode rows are read on the host "
             "(`DecodeRows.of_forward_batch`) and written, with zeros for the bucket's padding rows, into the static "
-            "buffers by one host-to-device copy; the view of the bucket's columns is what the compiled step reads."
+            "buffers by one host-to-device copy; the view of the bucket's columns is what the compiled step reads. A "
+            "batch of a captured size is copied into that size's captured ForwardBatch (`refill_the_captured_batch`, "
+            "stock's padded-replay copy without padding), so every replay calls the step with the object and tensor "
+            "views it was captured with; decode logprobs come from the returned logits outside the step (`Sampler`)."
         ),
         upstream="not upstream in 0.5.23",
         remove_when="stock's CPU graph runner carries encoder-decoder metadata for non-AMX backends",

@@ -1,14 +1,7 @@
 """Imported at start-up by every Python process a test starts (conftest puts this folder on ``PYTHONPATH``): while a
-test without the ``served`` marker runs, a server process it starts exits at once (``support.served_guard``); a
-process started with ``MOSSVL_TEST_ERROR_ON_RECOMPILE=1`` (a decode-graph test's server) makes any torch.compile
-recompile an error."""
+test without the ``served`` marker runs, a server process it starts exits at once (``support.served_guard``)."""
 
 import os
-
-if os.environ.get("MOSSVL_TEST_ERROR_ON_RECOMPILE") == "1":
-    import torch._dynamo
-
-    torch._dynamo.config.error_on_recompile = True
 
 if os.environ.get("MOSSVL_TEST_WITHOUT_SERVED_MARKER"):
     import sys
