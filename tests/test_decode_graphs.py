@@ -33,7 +33,7 @@ from support.decode_graph_case import (
     npu_graph_route,
     random_queries,
 )
-from support.fake_npu_graph import RELEASES, FakeNPUGraph, HostRead, NotCaptureSafe
+from support.fake_npu_graph import RELEASES, FakeNPUGraph, HostRead, LseOverflow, NotCaptureSafe, recordable_fia
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -263,3 +263,51 @@ def test_each_fill_lands_its_own_rows_even_when_the_next_fill_comes_first():
         device.drain()
     expected = [[getattr(rows, name) for name in FIELDS] for rows in (first, second)]
     assert [table.tolist() for table in device.landed] == expected
+
+
+@pytest.mark.parametrize(
+    "release, flag, lse_shape, lse_dtype",
+    [
+        ("7.1-7.2", False, (1,), torch.bfloat16),
+        ("7.3", False, (0,), torch.float32),
+        ("7.3", True, (2, 4, 1, 1), torch.float32),
+        ("26", True, (2, 4, 1, 1), torch.float32),
+    ],
+)
+def test_a_captured_call_returns_the_buffers_its_torch_npu_release_allocates(release, flag, lse_shape, lse_dtype):
+    """The stand-in against the facts read in torch_npu's source (``support/fake_npu_graph.py``): the call returns
+    torch_npu's own buffers, the output ``empty_like(query)``, the LSE as each release line allocates it; 7.1-7.2
+    refuse a flagged call, whose LSE would not fit."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 1, 32, generator=generator).to(torch.bfloat16)
+    pages = [torch.randn(4, 16, 2 * 32, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    table = torch.tensor([[1], [3]], dtype=torch.int32)
+
+    def step():
+        return recordable_fia(
+            query, *pages, block_table=table, block_size=16, actual_seq_lengths_kv=[3, 16], num_heads=4,
+            num_key_value_heads=2, scale=0.2, input_layout="BNSD", softmax_lse_flag=flag,
+        )  # fmt: skip
+
+    graph = FakeNPUGraph(RELEASES[release])
+    out, lse = graph.capture(step, may_read=[query, *pages, table])
+    assert (tuple(lse.shape), lse.dtype) == (lse_shape, lse_dtype)
+    eager_out, eager_lse = step()  # outside capture: the plain stand-in
+    assert torch.equal(out, eager_out) and len(graph.fia_records()) == 1
+    if flag:
+        assert torch.equal(lse, eager_lse)
+
+
+def test_a_flagged_call_overflows_the_one_element_lse_buffer_of_7_1_to_7_2():
+    query = torch.zeros(2, 4, 1, 32, dtype=torch.bfloat16)
+    pages = torch.zeros(4, 16, 64, dtype=torch.bfloat16)
+    table = torch.tensor([[1], [3]], dtype=torch.int32)
+
+    def step():
+        return recordable_fia(
+            query, pages, pages, block_table=table, block_size=16, actual_seq_lengths_kv=[3, 16], num_heads=4,
+            num_key_value_heads=2, scale=0.2, input_layout="BNSD", softmax_lse_flag=True,
+        )  # fmt: skip
+
+    with pytest.raises(LseOverflow, match=r"writes a \(2, 4, 1, 1\) float32 LSE into the 1-element"):
+        FakeNPUGraph(RELEASES["7.1-7.2"]).capture(step, may_read=[query, pages, table])
