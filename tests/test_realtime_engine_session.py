@@ -409,3 +409,60 @@ def test_a_prompt_right_after_a_frame_is_offered_to_its_step(processor, taken):
         assert session.segments[1][0] == frame_rows and session.segments[2][0] == prompt_rows
         assert seen == [("processed", 0, 0, None), ("interrupted", 1, 0, 1), ("processed", 1, 0, 1)]
     assert texts == {1}, "the answer is in the prompt's turn"
+
+
+class GatedManager(StreamingManager):
+    """The stand-in behind the plugin's gate on ``TokenizerManager.generate_request`` (``refuse_posing_steps``),
+    recording per step request its rid, whether it is a step to the tokenizer's hooks, and whether a client's copy
+    of it (the same fields, another object) is."""
+
+    def __init__(self, processor, turns):
+        super().__init__(processor, turns)
+        self.seen: list[tuple[str, bool, bool]] = []
+        self.copies = []
+
+    def generate_request(self, request, raw_request):
+        import copy
+
+        from mossvl_ascend.patches.realtime_sessions import refuse_posing_steps
+        from mossvl_ascend.realtime.engine import is_engine_step
+
+        self.copies.append(copy.copy(request))
+        self.seen.append((request.rid, is_engine_step(request), is_engine_step(self.copies[-1])))
+        return refuse_posing_steps(StreamingManager.generate_request, self, request, raw_request)
+
+
+def test_only_a_sessions_own_step_requests_pass_as_steps(processor):
+    """The session's step requests (its initial rows, a frame's, the close) pass the gate as steps; a client's
+    request naming one of their rids is refused as a bad request (ValueError: HTTP 400) before anything runs, and
+    the same at stock's `/generate` contract check; other requests go to stock."""
+    from mossvl_ascend.patches.realtime_sessions import refuse_posing_steps
+    from mossvl_ascend.patches.request_validation import reject_realtime_step_rids
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+    from mossvl_ascend.realtime.session_api import Frame, SessionConfig
+
+    silence = processor.tokenizer.convert_tokens_to_ids("<|silence|>")
+
+    async def session_with_a_frame():
+        manager = GatedManager(processor, [[silence], [silence]])
+        session = await ServedRealtimeEngine(lambda: manager).open(SessionConfig(max_new_tokens=LIMIT))
+        await outputs_until_parked(session, [])
+        session.push_frame(Frame(noise_image(1), 0.0))
+        await outputs_until_parked(session, [])
+        await session.close()
+        return manager, session
+
+    async def first_item(requests):
+        return await refuse_posing_steps(StreamingManager.generate_request, manager, requests, None).__anext__()
+
+    manager, session = asyncio.run(session_with_a_frame())
+    rids = [step_rid(session.session_id, step) for step in (0, 1, "close")]
+    assert manager.seen == [(rid, True, False) for rid in rids]
+    for posing in manager.copies:
+        with pytest.raises(ValueError, match="realtime session steps"):
+            asyncio.run(first_item(posing))
+    for rid in (rids[0], ["chat-1", rids[1]]):
+        assert "realtime session steps" in reject_realtime_step_rids(None, {"rid": rid})
+    assert reject_realtime_step_rids(None, {"rid": "chat-1"}) is None
+    assert reject_realtime_step_rids("stock's error", {"rid": rids[0]}) == "stock's error"
+    assert refuse_posing_steps(lambda manager, obj: "stock", None, SimpleNamespace(rid="chat-1")) == "stock"

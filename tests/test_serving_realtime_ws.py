@@ -698,3 +698,40 @@ def test_frames_at_the_limits(keyed_server):
     assert (answers["bomb"]["type"], answers["bomb"]["code"]) == ("error", "invalid_request")
     assert "max_input_pixels" in answers["bomb"]["message"] and answers["bomb_bytes"] < 200_000
     assert answers["bomb_rss_grown"] < 16 * 1024 * 1024, answers["bomb_rss_grown"]
+
+
+def posing_step_bodies(checkpoint) -> list[dict]:
+    """`/generate` bodies posing as a session's first step (a realtime rid): its rows alone, and with a frame's
+    patches in stock's preprocessed form, as the server's realtime engine builds a step in process."""
+    from transformers import AutoProcessor
+
+    from mossvl_ascend.realtime.wire import step_rid
+    from support.realtime import frame_string
+
+    processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
+    pixels, grid = processor.image_processor.realtime_frame(noise_image(41))
+    rows = processor.tokenizer(frame_string(0.0), add_special_tokens=False)["input_ids"]
+    frame = {"format": "processor_output", "pixel_values": pixels.tolist(), "grid_thw": [list(grid)]}
+    text = {"rid": step_rid("posing", 0), "input_ids": rows[:4], "sampling_params": {"max_new_tokens": 4}}
+    return [text, {**text, "stream": True}, {**text, "input_ids": rows, "image_data": [frame]}]
+
+
+def test_a_client_cannot_pose_as_a_realtime_step(keyed_server, checkpoint):
+    """Only the server's realtime engine makes realtime steps: a `/generate` request (streamed or not, with a frame
+    or not) or a chat completion naming a realtime rid is refused with 400, runs nothing (no step in the
+    scheduler's log) and leaves no KV held (`/v1/loads`); the socket's sessions go on."""
+    url = keyed_server.base_url
+    responses = [
+        requests.post(f"{url}/generate", json=body, headers=AUTH, timeout=120)
+        for body in posing_step_bodies(checkpoint)
+    ]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for rid in ("mossvl-realtime:posing:0", ["mossvl-realtime:posing:1"]):
+        responses.append(requests.post(f"{url}/v1/chat/completions", json={**chat, "rid": rid}, headers=AUTH))
+    held = [load["num_used_tokens"] for load in keyed_loads(keyed_server)]
+    assert [r.status_code for r in responses] == [400] * 5, [(r.status_code, r.text[:300]) for r in responses]
+    assert held == [0] * len(held), f"KV held after the refused requests: {held}"
+    log = keyed_server.log_path.read_text()
+    assert "realtime step mossvl-realtime:posing" not in log and "realtime session posing" not in log
+    assert asyncio.run(keyed_sessions(keyed_server)) == ["session.created", "session.created"]
+    assert all(load["num_used_tokens"] == 0 for load in keyed_idle(keyed_server))

@@ -13,9 +13,9 @@ from typing import Any, Callable
 from sglang.srt.plugins.hook_registry import HookType
 
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
-from mossvl_ascend.realtime.engine import step_processor_output
+from mossvl_ascend.realtime.engine import is_engine_step, posing_step_refusal, step_processor_output
 from mossvl_ascend.realtime.sessions import SCHEDULER_SESSIONS
-from mossvl_ascend.realtime.wire import parse_interrupt, parse_step_rid
+from mossvl_ascend.realtime.wire import names_a_step, parse_interrupt, parse_step_rid
 
 
 def prepare_step_request(scheduler, req, *args: Any, **kwargs: Any) -> None:
@@ -91,13 +91,47 @@ async def step_multimodal_inputs(
     original: Callable, processor, image_data=None, *args: Any, request_obj=None, **kwargs: Any
 ):
     """AROUND MOSS-VL's ``process_mm_data_async``: a realtime step's rows and frames are carried as the session
-    made them (the scheduler completes them)."""
-    if parse_step_rid(getattr(request_obj, "rid", None)) is None:
+    made them (the scheduler completes them). A step is the request object a session of this process made, not a
+    request that names a step's rid."""
+    if not is_engine_step(request_obj):
         return await original(processor, image_data, *args, request_obj=request_obj, **kwargs)
     return step_processor_output(processor, request_obj, image_data)
 
 
+def refuse_posing_steps(original: Callable, manager, obj, *args: Any, **kwargs: Any):
+    """AROUND ``TokenizerManager.generate_request`` (every HTTP API's way to the scheduler): a request naming a
+    realtime step's rid that no session of this process made is refused before anything runs."""
+    if names_a_step(getattr(obj, "rid", None)) and not is_engine_step(obj):
+        return _refusal(posing_step_refusal(obj.rid))
+    return original(manager, obj, *args, **kwargs)
+
+
+async def _refusal(message: str):
+    """Raises ``message`` as stock's ``generate_request`` raises a bad request: a ValueError at its first item,
+    which every HTTP route answers with 400."""
+    raise ValueError(message)
+    yield  # unreached: makes this an async generator, as the method it stands for
+
+
 PATCHES = (
+    Patch(
+        title="MOSS-VL-Realtime: only the server's own sessions make realtime steps",
+        target="sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+        kind=HookType.AROUND,
+        hook=refuse_posing_steps,
+        platforms=ON_NPU_AND_CPU,
+        why=(
+            "a step is recognised by its rid; a client's `/generate` or chat request naming one reached the step "
+            "hooks: it skipped the media checks and left a parked session holding KV that nothing would close"
+        ),
+        how=(
+            "a request whose rid (or one of a batch's) starts with `mossvl-realtime:` and is not a request object a "
+            "session of this process has in flight is refused (ValueError: HTTP 400) before it is tokenized; the "
+            "step hooks of the tokenizer recognise a step the same way"
+        ),
+        upstream="not in sglang",
+        remove_when="sglang serves encoder-decoder streaming sessions with growing encoders",
+    ),
     Patch(
         title="MOSS-VL-Realtime: a step's multimodal inputs are the session's token ids and patches",
         target="sglang.srt.multimodal.processors.moss_vl.MossVLImageProcessor.process_mm_data_async",
@@ -110,7 +144,8 @@ PATCHES = (
             "its frames are already patches (by the image rule, as the published realtime loop sizes a frame)"
         ),
         how=(
-            "for rid `mossvl-realtime:...`: the request's token ids as they are, and its frames' patches from its "
+            "for a step request of this process's sessions (rid `mossvl-realtime:...`): the request's token ids as "
+            "they are, and its frames' patches from its "
             "one `image_data` entry in stock's preprocessed form (`format: processor_output`) as multimodal items; "
             "positions are placeholders the scheduler replaces"
         ),

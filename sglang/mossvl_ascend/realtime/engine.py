@@ -25,6 +25,7 @@ the scheduler, per new frame, the first frame still in the window, and the sched
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -53,6 +54,7 @@ from mossvl_ascend.realtime.wire import (
     CLOSE_STEP,
     CONTEXT_EXHAUSTED,
     OFFER_TAKEN_KEY,
+    RID_PREFIX,
     USAGE_INFO_KEY,
     WINDOW_STARTS_PARAM,
     PromptOffer,
@@ -66,6 +68,34 @@ logger = logging.getLogger(__name__)
 SILENCE_TOKEN = "<|silence|>"
 FRAME_WINDOW_ENV = "MOSSVL_REALTIME_FRAME_WINDOW_S"
 CONTROL_TOKEN = re.compile(r"^<\|[^|]+\|>$")
+
+
+# The step requests this process's sessions have in flight, by ``id()``. The object itself is the proof that a request
+# is a step: a client's request naming a step's rid is another object, which no client can make this one.
+_ISSUED_STEPS: dict[int, object] = {}
+
+
+def is_engine_step(request_obj) -> bool:
+    """``request_obj`` is a step request a session of this process made and has in flight."""
+    return _ISSUED_STEPS.get(id(request_obj)) is request_obj
+
+
+def posing_step_refusal(rid) -> str:
+    """The refusal of a request naming a realtime step's rid that no session of this process made."""
+    return (
+        f"request id {rid!r}: ids starting with {RID_PREFIX!r} are the server's realtime session steps (open a "
+        "session on WS /v1/video/realtime)"
+    )
+
+
+@contextlib.contextmanager
+def _issued(request):
+    """``request`` counts as a step of this process's sessions while the block runs."""
+    _ISSUED_STEPS[id(request)] = request
+    try:
+        yield request
+    finally:
+        del _ISSUED_STEPS[id(request)]
 
 
 def step_frames_input(pixel_values, grid_thw) -> dict:
@@ -475,29 +505,30 @@ class ServedSession:
             self._interrupt_running_step()
         manager = self.engine.tokenizer_manager
         try:
-            async for chunk in manager.generate_request(request, None):
-                ids = chunk.get("output_ids") or []
-                if ids and seen < len(ids):
-                    self._put_usage(chunk, len(ids))
-                if seen == 0 and ids:
-                    taken_rows = self._account(chunk).get(OFFER_TAKEN_KEY)
-                    if self.offered and taken_rows:
-                        taken, inputs = self._take_offered(inputs, taken_rows)
-                        rows, allowance = taken + rows, self._new_turn_allowance()
-                    if ready:
-                        self.outputs.put_nowait(Output(READY))
-                    self._put_processed(inputs)
-                new, seen = ids[seen:], len(ids)
-                self.generated.extend(new)
-                if self.config.return_logprob:
-                    logprobs = chunk["meta_info"]["output_token_logprobs"]
-                    self.logprobs.extend(entry[0] for entry in logprobs[len(logprobs) - len(new) :])
-                self._emit_text(new)
-                finish = chunk.get("meta_info", {}).get("finish_reason")
-                if isinstance(finish, dict) and finish.get("type") == "abort":
-                    message = finish.get("message") or "the engine aborted the session"
-                    code = "context_exhausted" if CONTEXT_EXHAUSTED in message else "session_aborted"
-                    raise RealtimeError(code, message)
+            with _issued(request):
+                async for chunk in manager.generate_request(request, None):
+                    ids = chunk.get("output_ids") or []
+                    if ids and seen < len(ids):
+                        self._put_usage(chunk, len(ids))
+                    if seen == 0 and ids:
+                        taken_rows = self._account(chunk).get(OFFER_TAKEN_KEY)
+                        if self.offered and taken_rows:
+                            taken, inputs = self._take_offered(inputs, taken_rows)
+                            rows, allowance = taken + rows, self._new_turn_allowance()
+                        if ready:
+                            self.outputs.put_nowait(Output(READY))
+                        self._put_processed(inputs)
+                    new, seen = ids[seen:], len(ids)
+                    self.generated.extend(new)
+                    if self.config.return_logprob:
+                        logprobs = chunk["meta_info"]["output_token_logprobs"]
+                        self.logprobs.extend(entry[0] for entry in logprobs[len(logprobs) - len(new) :])
+                    self._emit_text(new)
+                    finish = chunk.get("meta_info", {}).get("finish_reason")
+                    if isinstance(finish, dict) and finish.get("type") == "abort":
+                        message = finish.get("message") or "the engine aborted the session"
+                        code = "context_exhausted" if CONTEXT_EXHAUSTED in message else "session_aborted"
+                        raise RealtimeError(code, message)
         finally:
             self.running_rid = None
             self.prompts[:0], self.offered = self.offered, []  # not taken: drained by the next step, first
@@ -601,10 +632,11 @@ class ServedSession:
             rid=rid, input_ids=rows, sampling_params={"max_new_tokens": 1}, data_parallel_rank=self.dp_rank
         )
         try:
-            async for _ in self.engine.tokenizer_manager.generate_request(request, None):
-                pass
+            with _issued(request):
+                async for _ in self.engine.tokenizer_manager.generate_request(request, None):
+                    pass
         except Exception:  # the close request finishes as an abort by design
             logger.debug("realtime session %s closed", self.session_id)
 
 
-__all__ = ["ServedRealtimeEngine", "ServedSession", "step_processor_output"]
+__all__ = ["ServedRealtimeEngine", "ServedSession", "is_engine_step", "posing_step_refusal", "step_processor_output"]

@@ -92,6 +92,12 @@ def step_rid(session_id: str, step: int | str) -> str:
     return f"{RID_PREFIX}{session_id}:{step}"
 
 
+def names_a_step(rid) -> bool:
+    """A request id (one, or a batch's list) that claims the realtime steps' prefix."""
+    rids = rid if isinstance(rid, list) else [rid]
+    return any(isinstance(one, str) and one.startswith(RID_PREFIX) for one in rids)
+
+
 def parse_step_rid(rid) -> tuple[str, str] | None:
     """(session id, step) of a realtime step's rid, else None."""
     if not isinstance(rid, str) or not rid.startswith(RID_PREFIX):
