@@ -42,13 +42,15 @@ def chromium_path() -> str:
     return path
 
 
-def write_camera_y4m(path: Path, width: int = 640, height: int = 360, frames: int = 24, fps: int = 8) -> Path:
-    """A y4m (I420, as Chromium's file capture device reads it) of the moving square, which the fake camera loops."""
+def write_camera_y4m(path: Path, frames: int = 24, fps: int = 8, scale: int = 10) -> Path:
+    """A y4m (I420, as Chromium's file capture device reads it) that the fake camera loops: the moving square of
+    64x36 pixels, each pixel drawn ``scale`` times as large (640x360 by default), on a never-black background."""
     with av.open(str(path), "w", format="yuv4mpegpipe") as container:
         stream = container.add_stream("rawvideo", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.width, stream.height, stream.pix_fmt = 64 * scale, 36 * scale, "yuv420p"
         for index in range(frames):
-            picture = av.VideoFrame.from_ndarray(moving_square(index, width, height), format="rgb24")
+            small = moving_square(index + 3, 64, 36)
+            picture = av.VideoFrame.from_ndarray(small.repeat(scale, axis=0).repeat(scale, axis=1), format="rgb24")
             container.mux(stream.encode(picture))
         container.mux(stream.encode())
     return path

@@ -138,11 +138,12 @@
   }
 
   // A question goes as input.prompt as soon as no frame is in flight (its seq_no comes from the same counter).
-  function sendQuestion(s) {
+  // Latency is measured between event timestamps (``at``: the triggering DOM event's timeStamp).
+  function sendQuestion(s, at) {
     if (!s.question || s.frame || !s.ready || s.ended) return;
     const seqNo = takeSeqNo(s);
     send(s, { type: "input.prompt", seq_no: seqNo, prompt: s.question });
-    s.firstToken = { seqNo, sentAt: performance.now(), turnAtSend: s.turnId, turn: null, measured: false };
+    s.firstToken = { seqNo, sentAt: at, turnAtSend: s.turnId, turn: null, measured: false };
     s.question = null;
   }
 
@@ -189,7 +190,7 @@
     s.silent.item.textContent = "(silent" + (s.silent.count > 1 ? " \u00d7" + s.silent.count : "") + ")";
   }
 
-  function onDelta(s, event) {
+  function onDelta(s, event, at) {
     const answer = answerFor(s, event.turn_id);
     answer.text.appendData(event.delta);
     setAnswering(s, true);
@@ -198,7 +199,7 @@
       const turn = first.turn !== null ? first.turn : event.turn_id > first.turnAtSend ? event.turn_id : null;
       if (turn === event.turn_id) {
         first.measured = true;
-        const ms = Math.round(performance.now() - first.sentAt);
+        const ms = Math.round(at - first.sentAt);
         setText("latency", ms + " ms");
         answer.meta.textContent = "turn " + event.turn_id + " \u00b7 first token after " + ms + " ms";
       }
@@ -221,7 +222,7 @@
 
   // ------------------------------------------------------------------------------------------------ events
 
-  function handle(s, event) {
+  function handle(s, event, at) {
     switch (event.type) {
       case "session.created":
         s.created = true;
@@ -239,7 +240,7 @@
         setStatus("live", "live");
         $("question").disabled = false;
         $("send").disabled = false;
-        sendQuestion(s);
+        sendQuestion(s, at);
         break;
       case "input.frame.ready":
         if (s.frame && s.frame.seqNo === event.seq_no) s.ws.send(s.frame.bytes);
@@ -249,7 +250,7 @@
         s.framesSent += 1;
         setText("frames-sent", s.framesSent);
         setText("pending", event.pending_events);
-        sendQuestion(s);
+        sendQuestion(s, at);
         break;
       case "input.prompt.accepted":
         setText("pending", event.pending_events);
@@ -266,7 +267,7 @@
         }
         break;
       case "response.text.delta":
-        onDelta(s, event);
+        onDelta(s, event, at);
         break;
       case "response.turn.silence":
         markSilence(s, event.turn_id);
@@ -387,7 +388,7 @@
       s.opened = true;
     };
     s.ws.onmessage = (message) => {
-      if (typeof message.data === "string") handle(s, JSON.parse(message.data));
+      if (typeof message.data === "string") handle(s, JSON.parse(message.data), message.timeStamp);
     };
     s.ws.onclose = (close) => {
       if (s.ended) return;
@@ -482,7 +483,7 @@
       item.textContent = text;
       $("turns").appendChild(item);
       s.question = text;
-      sendQuestion(s);
+      sendQuestion(s, submit.timeStamp);
     });
   });
 })();
