@@ -15,6 +15,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "npu_acceptance.py"
+# The decode graph cases the script's docstring promises: (bucket, rows, page size); four layers each.
+GRAPH_CASES = ((1, 1, 128), (16, 16, 128), (16, 13, 128), (16, 13, 16))
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +47,10 @@ def test_every_case_passes_through_the_stand_in(acceptance, capsys):
         assert case in table
     for name, *_ in acceptance.core_cases():
         assert table.count(f"{name} ") >= 4  # bf16 and fp16, tiny and instruct
-    for case in ("decode graph bucket 1, 1 rows", "decode graph bucket 16, 16 rows", "decode graph bucket 16, 13 rows"):
+    graph_cases = [f"decode graph bucket {bs}, {rows} rows, page {page}" for bs, rows, page in GRAPH_CASES]
+    for case in graph_cases:
         assert table.count(case) == 2  # bf16 and fp16
+    assert all("4 records, LSE asked by 0" in line for line in lines if "decode graph" in line)
 
 
 def test_the_judge_fails_a_wrong_result(acceptance):
