@@ -115,17 +115,18 @@ class DecodeGraphCaptureFailed(Exception):
 def name_a_failed_capture(original, runner, *args, **kwargs):
     """AROUND ``NPUGraphRunner.capture``: a capture that fails on the card (a kernel or CANN version not foreseen)
     ends start-up with one line naming the bucket, the error and ``--disable-cuda-graph``; the error stays chained."""
-    backend = runner.model_runner.attn_backend
-    if side_channel.DECODE_BUFFERS.get(backend) is None:
-        return original(runner, *args, **kwargs)
     try:
         return original(runner, *args, **kwargs)
     except Exception as error:
+        backend = runner.model_runner.attn_backend
+        if side_channel.DECODE_BUFFERS.get(backend) is None:
+            raise
         view = side_channel.DECODE_VIEW.get(backend)
-        bucket = f"batch size {view.vision.shape[0]}" if view is not None else "its first batch size"
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        where = f"at batch size {view.vision.shape[0]}" if view is not None else "before its first batch size"
+        lines = str(error).strip().splitlines()
         raise DecodeGraphCaptureFailed(
-            f"MOSS-VL on NPU: capturing the decode graph failed at {bucket} ({type(error).__name__}: {first_line}); "
+            f"MOSS-VL on NPU: capturing the decode graph failed {where} ({type(error).__name__}: "
+            f"{lines[0] if lines else ''}); "
             "start the server with --disable-cuda-graph to decode without graphs (slower), and report the error."
         ) from error
 
