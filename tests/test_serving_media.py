@@ -153,6 +153,12 @@ def test_a_video_is_sampled_as_asked_and_equals_the_reference_on_those_frames(
         ({"media_io_kwargs": {"video": {"frames": 8}}}, "media_io_kwargs.video.frames"),
         ({"media_io_kwargs": {"video": {"num_frames": 8, "fps": 1}}}, "mutually exclusive"),
         ({"media_io_kwargs": {"video": {"num_frames": 300}}}, "num_frames=300 is more than max_frames=256"),
+        # the server's max_frames (256) is the operator's cap: a request's max_frames may lower it, never lift it
+        ({"part": {"max_frames": 300}}, "max_frames=300 is more than this server's max_frames=256"),
+        (
+            {"mm_processor_kwargs": {"num_frames": 257, "max_frames": 257}},
+            "max_frames=257 is more than this server's max_frames=256",
+        ),
         ({"video_config": {"stride": 2}}, "video_config.stride"),
         ({"mm_processor_kwargs": {"do_resize": False}}, "mm_processor_kwargs.do_resize"),
         ({"part": {"max_tokens_per_frame": 16}}, "video_url.max_tokens_per_frame"),
