@@ -56,9 +56,16 @@ GRAPHS = ["--enable-torch-compile", "--decode-log-interval", "1"]
 BUCKETS = {"graph-p128": ["4", "8"], "graph-p1": ["1", "8"]}
 # Stock's switch that holds the scheduler's input while the tokenizer processes a batch request: its requests arrive
 # together, so their decode batch does not depend on how long each one's media took to process. Dynamo's recompile
-# log: one "Recompiling function" line (with the failed guards) per compile after the first of a frame.
+# log: one "Recompiling function" line (then the failed guards) per compile after the first of a frame.
 GRAPH_ENV = {"TORCH_LOGS": "recompiles", "SGLANG_ENABLE_COLOCATED_BATCH_GEN": "1"}
-RECOMPILE_LINE = re.compile(r"Recompiling function.*(?:\n {4}.*)*")
+RECOMPILE = re.compile(r"Recompiling function (\S+) in \S+\n((?:.*\[__recompiles\] .*\n)*)")
+FAILED_GUARD = re.compile(r"\[__recompiles\] +- \d+/\d+: (.*)")
+# Compiled functions of the eager prefill, outside the decode step (a function the step calls is traced into its
+# graph, not compiled as a frame of its own). Stock's `@torch.compile(dynamic=True)` `apply_rotary_pos_emb_native`
+# (layers/rotary_embedding/utils.py) recompiles once on any server, graphs or not: its first call's duck sizing ties
+# two sizes that happened to be equal (`q.size()[2] == q.size()[0]`, 16 on the tiny checkpoint), a later prompt
+# unties them.
+EAGER_PATH_COMPILED = {"apply_rotary_pos_emb_native"}
 INDUCTOR_LOGPROB_TOLERANCE = 1e-4
 # Stock's decode log line (scheduler_components/metrics_reporter.py): the batch size and whether the graph ran.
 DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?cpu graph: (True|False)")
@@ -109,9 +116,15 @@ def decode_steps(server) -> list[tuple[int, bool]]:
     return [(int(n), graph == "True") for n, graph in DECODE_LINE.findall(server_log(server))]
 
 
-def recompiles(server) -> list[str]:
-    """Dynamo's recompile log lines (each with its failed guards) since the lease began, i.e. after start-up."""
-    return RECOMPILE_LINE.findall(server_log(server))
+def step_recompiles(server) -> list[str]:
+    """Each compile dynamo logged again since the lease began (i.e. after start-up), but the eager prefill's: the
+    function and the guards that failed."""
+    found = RECOMPILE.findall(server_log(server))
+    return [
+        f"{name}: {'; '.join(FAILED_GUARD.findall(guards))}"
+        for name, guards in found
+        if name not in EAGER_PATH_COMPILED
+    ]
 
 
 def graph_run(server, processor) -> dict:
@@ -132,7 +145,7 @@ def graph_run(server, processor) -> dict:
         "text_eight_plain": together_without_logprobs(server, processor, text),
         "logprobs": logprobs(server, processor),
         "steps": decode_steps(server),
-        "recompiles": recompiles(server),
+        "recompiles": step_recompiles(server),
     }
 
 
