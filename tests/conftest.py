@@ -78,6 +78,7 @@ LONGEST_FIRST = [
     "test_serving_realtime_ws.py",  # 450 s
     "test_serving_decode_graphs.py",  # 365 s: two servers that compile decode graphs (2026-12-05)
     "test_serving_multirank.py",  # 297 s
+    "test_realtime_web_served.py",  # 288 s with its server start (221 s on a loaded 2-core machine, 2026-12-07)
     "test_soak_realtime.py",  # ~200 s: a 2-minute load, its server start and the reference probe (2026-12-05)
     "test_fleet.py",  # 138 s
     "test_serving_kv_layout.py",  # 130 s
