@@ -60,6 +60,7 @@ SERVED_WITHOUT_POOL = {
         "test_a_prompt_barges_into_a_served_turn",
         "test_a_prompt_right_after_a_frame_joins_its_step",
         "test_a_rate_cap_paces_each_turn",
+        "test_a_prompt_that_overfills_the_context_ends_the_session_with_context_exhausted",
     },
     "test_serving_realtime_ws.py": "*",
     "test_soak_realtime.py": "*",  # benchmarks/soak_realtime.py --minutes 2 serves the tiny-realtime model

@@ -384,3 +384,68 @@ def test_a_rate_cap_paces_each_turn(realtime_checkpoint, reference_tokens):
     assert all(count == 1 for _, _, count in session.segments), session.segments
     gaps = [b - a for (turn_a, a), (turn_b, b) in zip(texts, texts[1:]) if turn_a == turn_b]
     assert gaps and statistics.median(gaps) >= 0.9 / RATE and min(gaps) >= 0.25 / RATE, gaps
+
+
+CONTEXT = 512
+
+
+async def overfilling_prompt_after_frame_session(engine):
+    """As :func:`prompt_after_frame_session`, with a prompt the frame's step could not hold: its rows and the
+    session's so far exceed the context, while the frame's own step fits. -> (the session, its outputs)."""
+    from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
+
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine, prompt_splice
+    from mossvl_ascend.realtime.session_api import Frame, SessionConfig
+    from mossvl_ascend.realtime.wire import step_rid
+
+    session = await ServedRealtimeEngine(lambda: engine.tokenizer_manager).open(
+        SessionConfig(max_new_tokens=TURN_LIMIT, include_usage=True)
+    )
+    outputs = []
+
+    async def settle():
+        while True:
+            output = await asyncio.wait_for(session.outputs.get(), WAIT)
+            outputs.append(output)
+            if output.kind in ("error", "closed") or (
+                output.kind in ("silence", "turn_done") and not session.pending_inputs
+            ):
+                return
+
+    await settle()
+    used = [o.usage for o in outputs if o.kind == "usage"][-1]
+    words = 1
+    prompt = "go"
+    while len(session._encode(prompt_splice(prompt) + "<|silence|>")) < used["context_remaining"] + 1:
+        words += 1
+        prompt = " ".join(["go"] * words)
+    manager = engine.tokenizer_manager
+    manager._dispatch_to_scheduler(PauseGenerationReqInput(mode="in_place"))
+    session.push_frame(Frame(noise_image(1), 0.0, seq_no=0))
+    while session.running_rid != step_rid(session.session_id, 1):
+        await asyncio.sleep(0.0005)
+    session.push_prompt(prompt, seq_no=1)
+    manager._dispatch_to_scheduler(ContinueGenerationReqInput(torch_empty_cache=False))
+    await settle()
+    await session.close()
+    return session, outputs
+
+
+def test_a_prompt_that_overfills_the_context_ends_the_session_with_context_exhausted(realtime_checkpoint):
+    """The prompt reaches the scheduler while the frame's step is queued, and the session's context cannot hold both:
+    the step declines the prompt, runs its own rows (interrupted after its extend), and the prompt's step is refused:
+    the client gets `context_exhausted`. Oracle: what the session kept (the initial turn, then the frame's rows
+    alone) replayed through the reference stream, token for token."""
+    from support.realtime import frame_string
+
+    session, outputs = run_engine(realtime_checkpoint, overfilling_prompt_after_frame_session, context_length=CONTEXT)
+    errors = [o for o in outputs if o.kind == "error"]
+    assert [(e.code, e.fatal) for e in errors] == [("context_exhausted", True)], outputs
+    tokenizer = AutoProcessor.from_pretrained(realtime_checkpoint, trust_remote_code=True).tokenizer
+    rows = tokenizer(frame_string(0.0), add_special_tokens=False)["input_ids"]
+    assert len(session.segments) == 2 and session.segments[1][:3] == (rows, [0.0], 1), session.segments
+    # nothing of the refused step reached the stream or the client: no token, its prompt never processed
+    assert len(session.generated) == sum(seen for _, _, seen in session.segments)
+    assert not [o for o in outputs if o.kind == "processed" and o.seq_no == 1]
+    model, processor = load_reference(realtime_checkpoint)
+    assert replay_mismatches(model, processor, session.segments, session.generated, {0.0: noise_image(1)}) == []

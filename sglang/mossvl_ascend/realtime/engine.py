@@ -507,6 +507,13 @@ class ServedSession:
         try:
             with _issued(request):
                 async for chunk in manager.generate_request(request, None):
+                    # A refused or aborted step ends the session before any of its output counts: stock's stub run of
+                    # a refused request still returns a token, which is no choice of this stream.
+                    finish = chunk.get("meta_info", {}).get("finish_reason")
+                    if isinstance(finish, dict) and finish.get("type") == "abort":
+                        message = finish.get("message") or "the engine aborted the session"
+                        code = "context_exhausted" if CONTEXT_EXHAUSTED in message else "session_aborted"
+                        raise RealtimeError(code, message)
                     ids = chunk.get("output_ids") or []
                     if ids and seen < len(ids):
                         self._put_usage(chunk, len(ids))
@@ -524,11 +531,6 @@ class ServedSession:
                         logprobs = chunk["meta_info"]["output_token_logprobs"]
                         self.logprobs.extend(entry[0] for entry in logprobs[len(logprobs) - len(new) :])
                     self._emit_text(new)
-                    finish = chunk.get("meta_info", {}).get("finish_reason")
-                    if isinstance(finish, dict) and finish.get("type") == "abort":
-                        message = finish.get("message") or "the engine aborted the session"
-                        code = "context_exhausted" if CONTEXT_EXHAUSTED in message else "session_aborted"
-                        raise RealtimeError(code, message)
         finally:
             self.running_rid = None
             self.prompts[:0], self.offered = self.offered, []  # not taken: drained by the next step, first
