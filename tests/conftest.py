@@ -45,6 +45,7 @@ SERVED_WITHOUT_POOL = {
     "test_fleet.py": {"fleet"},  # workers behind sglang's gateway (serving/fleet.py)
     "test_launch.py": {"test_tp2_over_two_nodes_spelled_tp_serves_the_reference_tokens_at_page_128"},
     "test_npu_route_served.py": {"served"},
+    "test_quant_served.py": {"served"},  # the INT8 tiny checkpoint on the simulated NPU route
     "test_real_layout_checkpoint.py": {  # a launch_server forced to code that cannot load
         "test_a_server_forced_to_the_checkpoints_code_stops_with_one_line_naming_the_version"
     },
