@@ -16,7 +16,7 @@ DEVICE ?= cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup chromium lint test test-fast catalog demo demo-realtime demo-realtime-web serve eval tiny-model bench bench-serving bench-realtime bench-realtime-engine bench-graphs soak-realtime serve-fleet bench-fleet clean
+.PHONY: help setup chromium lint test test-fast catalog demo demo-realtime demo-realtime-web serve eval tiny-model bench bench-serving bench-realtime bench-realtime-engine bench-graphs soak-realtime serve-fleet serve-pd bench-fleet clean
 
 help: ## list the targets with what each does
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -101,6 +101,9 @@ WORKERS ?= 2
 POLICY ?= cache_aware
 serve-fleet: setup ## WORKERS= CPU workers (one core share each) behind smg on 127.0.0.1:$(PORT) (POLICY=cache_aware|round_robin, ARGS= to every worker); Ctrl-C stops all
 	$(PY) -m serving.fleet --model-path $(MODEL) --device $(DEVICE) --port $(PORT) --workers $(WORKERS) --policy $(POLICY) $(ARGS)
+
+serve-pd: setup ## one prefill and one decode CPU worker (KV over Mooncake TCP) behind smg in PD mode on 127.0.0.1:$(PORT) (ARGS= to both workers); Ctrl-C stops all
+	LD_LIBRARY_PATH=$(VENDOR_LIB) $(PY) -m serving.fleet --pd --model-path $(MODEL) --device $(DEVICE) --port $(PORT) $(ARGS)
 
 bench-fleet: setup ## 1 vs 2 CPU workers behind smg: image chat req/s, realtime sessions at 1 fps, cache_aware vs round_robin cached tokens, ejection (~5 min)
 	$(CPU_ENV) $(PY) benchmarks/bench_fleet.py $(ARGS)

@@ -14,6 +14,11 @@ out of routing a worker whose KV token usage is at or above ``kv_ceiling`` (a pa
 report counts it). Sessions fill one worker up to the ceiling, then go to the next.
 
     python -m serving.fleet --model-path DIR [--workers 2] [--policy cache_aware] [--api-key KEY] [-- sglang args]
+    python -m serving.fleet --model-path DIR --pd [-- sglang args]
+
+``--pd`` runs prefill/decode disaggregation instead: one prefill worker (``--disaggregation-mode prefill``, its KV
+bootstrap on a port of its own) and one decode worker, KV moved by Mooncake (``mooncake_tcp`` on CPU unless the worker
+arguments name a ``--disaggregation-transfer-backend``), and smg in PD mode in front, which sends every request to both.
 
 runs the fleet in the foreground (``make serve-fleet``), prints the gateway's and the workers' URLs, and stops all
 of them on Ctrl-C.
@@ -53,6 +58,15 @@ def worker_env(device: str, index: int, workers: int, cores: list[int]) -> dict[
     return {}
 
 
+def pd_roles(device: str, args: list[str]) -> list[tuple[str, list[str]]]:
+    """The prefill and the decode worker's arguments: ``args`` plus the role, the prefill's KV bootstrap port and, on
+    CPU when ``args`` names none, the Mooncake TCP transfer backend."""
+    if device == "cpu" and not any(arg.startswith("--disaggregation-transfer-backend") for arg in args):
+        args = [*args, "--disaggregation-transfer-backend", "mooncake_tcp"]
+    prefill = [*args, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port())]
+    return [("prefill", prefill), ("decode", [*args, "--disaggregation-mode", "decode"])]
+
+
 @dataclass
 class Fleet:
     """Workers plus the gateway in front of them; a context manager that stops every process it started."""
@@ -73,6 +87,8 @@ class Fleet:
     kv_ceiling: float = 0.8
     gateway_port: int | None = None
     name: str = "fleet"
+    pd: bool = False  # one prefill and one decode worker, smg in PD mode (``workers`` is ignored)
+    worker_ready_timeout_s: float = 240.0
     servers: list[SglangServer] = field(default_factory=list, init=False)
     gateway: subprocess.Popen | None = field(default=None, init=False)
 
@@ -91,8 +107,9 @@ class Fleet:
         try:
             self.start_workers()
             self.start_gateway()
-            for server in self.servers:
-                self.register(server.base_url)
+            if not self.pd:  # smg's PD mode takes its workers on the command line
+                for server in self.servers:
+                    self.register(server.base_url)
             self.wait_routable()
         except BaseException:
             self.stop()
@@ -101,15 +118,17 @@ class Fleet:
     def start_workers(self) -> None:
         cores = sorted(os.sched_getaffinity(0))
         args = list(self.worker_args) + (["--api-key", self.api_key] if self.api_key else [])
+        roles = pd_roles(self.device, args) if self.pd else [(f"worker{index}", args) for index in range(self.workers)]
         self.servers = [
             SglangServer(
                 self.model_path,
                 device=self.device,
-                extra_args=args,
-                name=f"{self.name}-worker{index}",
-                env=worker_env(self.device, index, self.workers, cores),
+                extra_args=role_args,
+                name=f"{self.name}-{role}",
+                ready_timeout_s=self.worker_ready_timeout_s,
+                env=worker_env(self.device, index, len(roles), cores),
             )
-            for index in range(self.workers)
+            for index, (role, role_args) in enumerate(roles)
         ]
         # One at a time on CPU: two model loads at once on two cores take longer than one after the other.
         with ThreadPoolExecutor(1 if self.device == "cpu" else self.workers) as pool:
@@ -118,6 +137,11 @@ class Fleet:
     def gateway_command(self) -> list[str]:
         command = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(self.gateway_port)]
         command += ["--policy", self.policy, "--disable-tokenizer-autoload", "--shutdown-grace-period-secs", "1"]
+        if self.pd:
+            prefill, decode = self.servers
+            bootstrap_port = prefill.extra_args[prefill.extra_args.index("--disaggregation-bootstrap-port") + 1]
+            command += ["--pd-disaggregation", "--prefill", prefill.base_url, bootstrap_port]
+            command += ["--decode", decode.base_url]
         command += ["--health-check-interval-secs", str(self.health_interval_s)]
         command += ["--health-failure-threshold", str(self.health_failure_threshold)]
         command += ["--health-check-timeout-secs", str(self.health_timeout_s), "--log-level", "info"]
@@ -232,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    parser.add_argument("--pd", action="store_true", help="one prefill and one decode worker, smg in PD mode")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--port", type=int, default=30000, help="the gateway's port (default 30000)")
     parser.add_argument("--api-key", default=None, help="one key between clients, the gateway and the workers")
@@ -252,13 +277,14 @@ def main(argv: list[str] | None = None) -> None:
         api_key=args.api_key,
         gateway_port=args.port,
         kv_ceiling=args.kv_ceiling,
+        pd=args.pd,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with fleet:
         for server in fleet.servers:
             print(f"worker   {server.base_url}   (log {server.log_path})", flush=True)
         print(f"gateway  {fleet.gateway_url}   (log {fleet.gateway_log})", flush=True)
-        print(f"policy {fleet.policy}, KV ceiling {fleet.kv_ceiling}", flush=True)
+        print(f"policy {fleet.policy}, KV ceiling {fleet.kv_ceiling}{', PD' if fleet.pd else ''}", flush=True)
         print(
             f"OpenAI:   {fleet.gateway_url}/v1    realtime: ws://127.0.0.1:{fleet.gateway_port}/v1/realtime?model=..."
         )

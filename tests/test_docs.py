@@ -41,6 +41,7 @@ SCRIPTS = {  # owner name -> its own argparse source (repo-relative)
     "realtime_inference/replay_proactive_videoqa.py": "realtime_inference/replay_proactive_videoqa.py",
     "moss_vl_reference/tiny_checkpoint.py": "moss_vl_reference/tiny_checkpoint.py",
     "serving/evaluate.py": "serving/evaluate.py",
+    "serving/fleet.py": "serving/fleet.py",
     "sglang/mossvl_ascend/quantize.py": "sglang/mossvl_ascend/quantize.py",
     **{f"benchmarks/{p.name}": f"benchmarks/{p.name}" for p in sorted((REPO_ROOT / "benchmarks").glob("*.py"))},
 }
@@ -58,6 +59,7 @@ PROGRAM_PATTERNS = (
     (r"make bench-graphs", "benchmarks/bench_decode_graphs.py"),
     (r"make soak-realtime", "benchmarks/soak_realtime.py"),
     (r"make eval|-m serving\.evaluate", "serving/evaluate.py"),
+    (r"-m serving\.fleet", "serving/fleet.py"),
     (r"-m mossvl_ascend\.quantize", "sglang/mossvl_ascend/quantize.py"),
     (r"sglang\.launch_server|serving\.launch|make serve", SGLANG),
     (r"sglang\.bench_serving", "sglang.bench_serving"),

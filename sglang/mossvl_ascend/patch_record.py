@@ -20,6 +20,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "server_args",
     "radix_prefix",
     "paged_decode",
+    "pd_disaggregation",
     "kv_pool",
     "realtime_sessions",
     "realtime_api",
