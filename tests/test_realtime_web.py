@@ -23,8 +23,10 @@ import threading
 import time
 import types
 import zipfile
+from fractions import Fraction
 from pathlib import Path
 
+import av
 import pytest
 import uvicorn
 from fastapi import FastAPI
@@ -39,6 +41,7 @@ from mossvl_ascend.realtime import session_api as api
 from mossvl_ascend.realtime.web_page import PAGE_FILES, PAGE_PATH, UI_ENV, mount_page, security_headers
 from mossvl_ascend.realtime.websocket import VIDEO_REALTIME_PATH, mount
 from support.browser import Traffic, launch, wait_until, write_camera_y4m
+from support.videos import moving_square
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -406,3 +409,42 @@ def test_a_wrong_key_and_a_full_server_read_as_messages(browser, stand_in):
         page.close()
     finally:
         engine.full = False
+
+
+def write_webm(path: Path, seconds: int = 3, fps: int = 8, size: tuple[int, int] = (320, 240)) -> Path:
+    """A VP8 webm (Chromium plays it) of the moving square."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libvpx", rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
+        for index in range(seconds * fps):
+            picture = av.VideoFrame.from_ndarray(moving_square(index, *size), format="rgb24")
+            container.mux(stream.encode(picture))
+        container.mux(stream.encode())
+    return path
+
+
+def test_a_video_file_is_the_source_and_its_time_the_clock(browser, stand_in, tmp_path):
+    """A local file as the source: its frames go out as they play (timestamps from the file's currentTime, within
+    its length, increasing), at its own size (under 512 px, not scaled), and none once it has ended."""
+    base_url, _ = stand_in
+    video = write_webm(tmp_path / "clip.webm")
+    page, traffic = open_page(browser, base_url, KEY)
+    page.select_option("#source", "file")
+    assert page.is_visible("#file")
+    page.set_input_files("#file", str(video))
+    page.select_option("#fps", "2")
+    page.click("#start")
+    wait_until(page, lambda: page.evaluate("() => document.getElementById('video').ended"), 30, "the file's end")
+    sent = len(traffic.events("sent", "input.frame"))
+    page.wait_for_timeout(1500)  # three more ticks: a file that has ended gives no frame
+    frames = traffic.events("sent", "input.frame")
+    assert 2 <= sent == len(frames), (sent, len(frames))
+    stamps = [e["timestamp"] for e in frames]
+    assert all(b > a for a, b in zip(stamps, stamps[1:])) and stamps[-1] <= 3.0 + 0.05, stamps
+    assert int(page.text_content("#ticks-skipped")) >= 2
+    for data in traffic.binaries():
+        with Image.open(io.BytesIO(data)) as image:
+            assert image.size == (320, 240)
+    page.click("#hangup")
+    page.wait_for_selector("#status:has-text('session ended')")
+    page.close()
