@@ -8,9 +8,12 @@ half time, the last session's client drops its socket without a word and reconne
 streams on. Greedy, ``--max-new-tokens`` per turn.
 
 Answers against the reference: a probe session (two frames, then a question, each input sent once the stream is
-parked) runs before the load and again in the last minute under the load; each probe's answer (the text of the
-question's turn) must equal the transformers reference stream's for the same inputs (the same checkpoint, fp32, the
-same frame window), computed before the server starts.
+parked) runs before the load and again in the last minute under the load; each probe's tokens (every token the
+session generated, the question's turn included) must equal the transformers reference stream's token ids for the
+same inputs (the same checkpoint, fp32, the same frame window), computed before the server starts. The served ids
+are read from sglang's own request log (``/configure_logging``, JSON, turned on for the probes only): every step of
+the probe session is one request whose ``output_ids`` it logs. Text is not compared: on random tiny weights an answer
+is mostly bytes that decode to U+FFFD, so different tokens read the same.
 
 Every ``--sample-every`` seconds (default 10): the server's RSS (the sum over its processes), ``/v1/loads`` KV tokens
 in use, the most vision tokens one session holds (its ``session.usage`` ``encoder_kv_tokens``, which the window
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import math
 import sys
@@ -55,6 +59,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks.bench_realtime import noise_frame, percentile, realtime_checkpoint  # noqa: E402
 from moss_vl_reference import tiny_checkpoint  # noqa: E402
+from mossvl_ascend.realtime.wire import parse_step_rid  # noqa: E402
 from serving.launch import SglangServer  # noqa: E402
 from serving.realtime_client import RealtimeClient  # noqa: E402
 
@@ -66,6 +71,8 @@ PROBE_QUESTION = "What is in the picture?"
 PROBE_FRAMES = ((0.0, 101), (1.0, 102))  # (timestamp, noise seed)
 ENDED = ("session.done", "response.done")
 SERVER_ERROR_MARKERS = ("Traceback", " ERROR ")
+# sglang's request log while a probe runs: level 2 keeps a step's output_ids whole (lists of up to 2048 entries).
+PROBE_REQUEST_LOG = {"log_requests_level": 2, "log_requests_format": "json"}
 
 
 @dataclass
@@ -94,8 +101,9 @@ class Soak:
 # ------------------------------------------------------------------------------------------------ the reference
 
 
-def reference_probe_answer(checkpoint: Path, args) -> str:
-    """The reference stream's answer to the probe (its question's turn, decoded), computed with no server running."""
+def reference_probe_tokens(checkpoint: Path, args) -> list[int]:
+    """The token ids the reference stream generates for the probe (its prefill's, each frame's and the question's
+    turns), computed with no server running."""
     from transformers import AutoModelForCausalLM, AutoProcessor
 
     torch.set_grad_enabled(False)
@@ -112,17 +120,12 @@ def reference_probe_answer(checkpoint: Path, args) -> str:
         for timestamp, seed in PROBE_FRAMES:
             session.push_frame(noise_frame(seed, args.size), timestamp)
             session.wait_until_parked(300)
-        before = len(session.generated)
         session.push_prompt(PROBE_QUESTION)
         if not session.wait_until_parked(300):
             raise RuntimeError("the reference stream did not park after the probe question")
     finally:
         session.close(timeout=60)
-    tokenizer = processor.tokenizer
-    silence = tokenizer.convert_tokens_to_ids("<|silence|>")
-    turn = list(session.generated[before:])
-    turn = turn[: turn.index(silence)] if silence in turn else turn
-    return tokenizer.decode(turn)
+    return list(session.generated)
 
 
 # ------------------------------------------------------------------------------------------------------ served
@@ -135,22 +138,48 @@ async def open_client(url: str, args) -> RealtimeClient:
     return client
 
 
-async def served_probe_answer(url: str, args) -> tuple[str, int]:
-    """The probe on a fresh session: each input once the stream is parked; -> (the text of the question's turn, the
-    vision tokens one frame holds, from the session's usage)."""
+def request_log(server: SglangServer, on: bool) -> None:
+    body = {"log_requests": on, **PROBE_REQUEST_LOG}
+    requests.post(f"{server.base_url}/configure_logging", json=body, timeout=30).raise_for_status()
+
+
+def logged_new_session_tokens(log_text: str) -> list[int]:
+    """The generated token ids of the one realtime session that opened within ``log_text`` (sglang's JSON request
+    log): each of its numbered steps' ``output_ids`` in step order (its ``close`` request is not part of the stream).
+    The socket's session id is not the engine's, so the probe is found as the session whose step 0 is logged: the
+    load's sessions opened before the log was turned on."""
+    sessions: dict[str, dict[int, list[int]]] = {}
+    for line in log_text.splitlines():
+        if '"event": "request.finished"' not in line:
+            continue
+        record = json.loads(line[line.index("{") :])
+        step = parse_step_rid(record.get("rid"))
+        if step is not None and step[1].isdigit():
+            sessions.setdefault(step[0], {})[int(step[1])] = record["out"]["output_ids"]
+    opened = [steps for steps in sessions.values() if 0 in steps]
+    if len(opened) != 1:
+        raise RuntimeError(f"{len(opened)} realtime sessions opened while the probe ran, expected 1")
+    return [token for step in sorted(opened[0]) for token in opened[0][step]]
+
+
+async def served_probe_tokens(server: SglangServer, url: str, args) -> tuple[list[int], int]:
+    """The probe on a fresh session, each input once the stream is parked, sglang's request log on meanwhile;
+    -> (the session's generated token ids, the vision tokens one frame holds, from the session's usage)."""
+    log_start = Path(server.log_path).stat().st_size
+    await asyncio.to_thread(request_log, server, True)
     client = await open_client(url, args)
     try:
         for timestamp, seed in PROBE_FRAMES:
             await client.settle(await client.frame(noise_frame(seed, args.size), timestamp))
-        seq_no = await client.prompt(PROBE_QUESTION)
-        processed = await client.wait_processed(seq_no)
-        await client.settle(seq_no)
+        await client.settle(await client.prompt(PROBE_QUESTION))
     finally:
         await client.close()
-    turn = processed.get("turn_id")
-    deltas = [r.event for r in client.events if r.event["type"] == "response.text.delta"]
+        await asyncio.to_thread(request_log, server, False)
+    with open(server.log_path, "rb") as log:
+        log.seek(log_start)
+        tokens = logged_new_session_tokens(log.read().decode(errors="replace"))
     encoder = max(r.event["encoder_tokens"] for r in client.events if r.event["type"] == "session.usage")
-    return "".join(delta["delta"] for delta in deltas if delta["turn_id"] == turn), encoder // len(PROBE_FRAMES)
+    return tokens, encoder // len(PROBE_FRAMES)
 
 
 def ended_early(client: RealtimeClient) -> Optional[str]:
@@ -255,11 +284,11 @@ async def sample_every(server: SglangServer, args, soak: Soak, start: float, sto
         previous = now
 
 
-async def soak_run(server: SglangServer, args) -> tuple[Soak, list[tuple[str, int]], float]:
-    """The load with the probes at its ends; -> (what it measured, the two probes' answers and vision tokens per
+async def soak_run(server: SglangServer, args) -> tuple[Soak, list[tuple[list[int], int]], float]:
+    """The load with the probes at its ends; -> (what it measured, the two probes' token ids and vision tokens per
     frame, the load's start time)."""
     url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
-    answers = [await served_probe_answer(url, args)]
+    answers = [await served_probe_tokens(server, url, args)]
     soak = Soak()
     soak.clients = list(await asyncio.gather(*(open_client(url, args) for _ in range(args.sessions))))
     start = time.perf_counter() + 0.2
@@ -269,7 +298,7 @@ async def soak_run(server: SglangServer, args) -> tuple[Soak, list[tuple[str, in
 
     async def last_probe():
         await asyncio.sleep(max(0.0, stop - 45.0 - time.perf_counter()))
-        answers.append(await served_probe_answer(url, args))
+        answers.append(await served_probe_tokens(server, url, args))
 
     await asyncio.gather(*streams, sample_every(server, args, soak, start, stop), last_probe())
     for index, client in enumerate(soak.clients):
@@ -317,7 +346,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     checkpoint = realtime_checkpoint(args.preset)
-    reference = reference_probe_answer(checkpoint, args)
+    reference = reference_probe_tokens(checkpoint, args)
     # Text rows grow with the stream (the window bounds the vision tokens only): room for every session's context.
     pool = args.context_length * (args.sessions + 2)
     server_args = ["--dtype", "float32", "--max-total-tokens", str(pool), "--context-length", str(args.context_length)]
@@ -331,7 +360,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def print_report(soak: Soak, args, checkpoint: Path, reference: str, probes: list, start: float, errors: int):
+def print_report(soak: Soak, args, checkpoint: Path, reference: list, probes: list, start: float, errors: int):
     answers, tokens_per_frame = [answer for answer, _ in probes], max(tokens for _, tokens in probes)
     # A window of frames, plus as many again drained by one step behind a backlog (their KV is held until the step
     # ends and the frames before the window go back to the pool).
@@ -353,7 +382,7 @@ def print_report(soak: Soak, args, checkpoint: Path, reference: str, probes: lis
     last = frame_latencies(soak.clients, start + total - span, start + total)
     p95_first, p95_last = 1e3 * percentile(first, 95), 1e3 * percentile(last, 95)
     equal = sum(answer == reference for answer in answers)
-    print(f"probe answers: reference {reference!r}; served {answers!r}")
+    print(f"probe token ids: reference {reference}; served {answers}")
     names = sorted({name for s in steady for name in s.rss_by_process})
     slopes = {name: slope_per_min([(s.at, s.rss_by_process.get(name, 0.0)) for s in steady]) for name in names}
     print("RSS slope by process after the warm-up: " + ", ".join(f"{n} {v:.2f} MiB/min" for n, v in slopes.items()))
