@@ -1,8 +1,10 @@
 """``benchmarks/bench_realtime.py --quick`` runs end to end (the reference session, then a real server on the
 tiny-realtime checkpoint with 1 and 2 WebSocket sessions at 1 and 2 fps) and its table and RESULT line parse.
 
-Timings are not judged (the machine is shared): only that every row is there, every frame was processed, the
-latencies are ordered with a positive tail, and the keeps-up figures are session counts consistent with the rows.
+Timings are not judged against targets (the machine is shared): only that every row is there, every frame was
+processed, the latencies are ordered with a positive tail, every time in the table is shorter than the whole run that
+measured it (timed here, around the process: a time from a wrong clock or in a wrong unit is not), and the keeps-up
+figures are session counts consistent with the rows.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,7 @@ pytestmark = pytest.mark.timeout(400)
 
 
 def test_quick_prints_a_sane_table_and_result_line():
+    started = time.monotonic()
     completed = subprocess.run(
         [sys.executable, "benchmarks/bench_realtime.py", "--quick"],
         cwd=REPO_ROOT,
@@ -36,6 +40,7 @@ def test_quick_prints_a_sane_table_and_result_line():
         text=True,
         timeout=360,
     )
+    run_ms = 1e3 * (time.monotonic() - started)
     assert completed.returncode == 0, completed.stderr[-4000:]
     lines = completed.stdout.strip().splitlines()
     rows = {}
@@ -55,13 +60,13 @@ def test_quick_prints_a_sane_table_and_result_line():
         # machine busy elsewhere), that frame measures 0 ms, so only the tail must be positive.
         assert 0 <= int(p50) <= int(p95) and int(p95) > 0, key
         assert int(max_lag) > 0 and int(peak) > 0 and float(elsewhere) >= 0, key
-        assert ttft == "-" or int(ttft) >= 0, (
-            key
-        )  # ms, rounded: a prompt drained into a running step can answer at once
+        # Every time in a row was measured inside this run (a negative one would not match the row's digits). TTFT may
+        # round to 0 ms: a prompt drained into a running step can answer at once.
+        assert max(int(p95), int(max_lag), *(int(t) for t in (ttft, first) if t != "-")) < run_ms, (key, run_ms)
         # One session's prompt always gets a first output in its turn (text or silence); the first text can only come
         # with it or later. It may measure 0 ms (rounded): a prompt that joins its frame's step (an offer taken) can
         # answer as soon as its accepted event is out.
-        assert key[1] > 1 or (first != "-" and int(first) >= 0), key
+        assert key[1] > 1 or first != "-", key
         assert key[1] > 1 or ttft == "-" or int(first) <= int(ttft), key
         assert int(sessions) == key[1] and 0 <= int(kept) <= int(sessions), key
         assert (keeps_up == "yes") == (int(kept) == int(sessions)), key
