@@ -22,30 +22,23 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
-import psutil
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from benchmarks.soak_realtime import server_rss_mib_by_process  # noqa: E402
 from moss_vl_reference.tiny_checkpoint import build_or_reuse  # noqa: E402
 from serving.launch import SglangServer  # noqa: E402
 from support.videos import write_video  # noqa: E402
 
-MIB = 1 << 20
 PUBLISHED_VIDEO_MAX_PIXELS = 201326592  # the published checkpoint's video_preprocessor_config.json
 SERVER_MAX_FRAMES = 256  # the published default, which the tiny checkpoint keeps
 QUESTION = {"type": "text", "text": "What moves?"}
 
 
-def tree_rss(root: psutil.Process) -> int:
-    total = 0
-    for process in [root, *root.children(recursive=True)]:
-        try:
-            total += process.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
+def tree_rss_mib(server: SglangServer) -> float:
+    return sum(server_rss_mib_by_process(server).values())
 
 
 def measured_request(server: SglangServer, model: str, url: str, frames: int) -> dict:
@@ -58,13 +51,12 @@ def measured_request(server: SglangServer, model: str, url: str, frames: int) ->
         "temperature": 0,
         "mm_processor_kwargs": asked,
     }
-    root = psutil.Process(server.process.pid)
-    before = tree_rss(root)
+    before = tree_rss_mib(server)
     peak, done = [before], threading.Event()
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], tree_rss(root))
+            peak[0] = max(peak[0], tree_rss_mib(server))
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample)
@@ -83,8 +75,8 @@ def measured_request(server: SglangServer, model: str, url: str, frames: int) ->
         "asked": asked,
         "status": response.status_code,
         "seconds": seconds,
-        "peak_growth_mib": (peak[0] - before) / MIB,
-        "retained_mib": (tree_rss(root) - before) / MIB,
+        "peak_growth_mib": peak[0] - before,
+        "retained_mib": tree_rss_mib(server) - before,
         "message": message,
     }
 
