@@ -4,8 +4,9 @@ and ``benchmarks/bench_decode_graphs.py``.
 
 A paged pool (page 128, or another the graph path takes: 16) with four layers' K/V (self, cross, self, cross), a
 ``req_to_token`` table (row 0 reserved, zeros) and five requests: an image, a text-only request, a realtime row
-(slot-major encoder of whole pages, frame window), text crossing pages and a video. Eager decode is the attention core with the batch's own metadata; the graph
-state is what stock's runner and the backend own: static inputs for the largest bucket and one recording per bucket.
+(slot-major encoder of whole pages, frame window), text crossing pages and a video. Eager decode is the attention core
+with the batch's own metadata; the graph state is what stock's runner and the backend own: static inputs for the
+largest bucket and one recording per bucket.
 """
 
 from __future__ import annotations
