@@ -57,25 +57,36 @@ def print_round(client: RealtimeClient, what: str, shown: int, sent: float) -> i
     return len(client.events)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def realtime_server_parser(description: str) -> argparse.ArgumentParser:
+    """The flags every realtime demo takes: the checkpoint, the device and extra launch_server flags."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="MOSS-VL-Realtime checkpoint (default: the tiny-realtime one)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "npu", "cuda"], help="sglang --device (default cpu)")
+    parser.add_argument(
+        "--server-arg", action="append", default=[], help="extra sglang launch_server flag (repeatable)"
+    )
+    return parser
+
+
+def realtime_server(args: argparse.Namespace, name: str, **kwargs) -> SglangServer:
+    """A server for the demo's checkpoint (the tiny realtime one unless ``--model``), not yet started."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = args.model or build_or_reuse("tiny-realtime")
+    # A session is refused unless the KV pool holds one full context: the tiny model's context is set to fit.
+    server_args = ["--context-length", "4096", *args.server_arg]
+    return SglangServer(model, device=args.device, extra_args=server_args, name=name, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = realtime_server_parser(__doc__)
     parser.add_argument("--video", type=Path, default=EXAMPLE_VIDEO, help="video file to stream (default: the example)")
     parser.add_argument("--fps", type=float, default=2.0, help="frames sampled and sent per second (default 2)")
     parser.add_argument("--max-frames", type=int, default=6, help="frames sent at most (default 6; 0: the whole video)")
     parser.add_argument("--prompt", default="What is moving?", help="the prompt pushed into the stream")
     parser.add_argument("--prompt-after", type=int, default=2, help="push the prompt after this many frames (2)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per turn at most (default 24)")
-    parser.add_argument(
-        "--server-arg", action="append", default=[], help="extra sglang launch_server flag (repeatable)"
-    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = args.model or build_or_reuse("tiny-realtime")
-    # A session is refused unless the KV pool holds one full context: the tiny model's context is set to fit.
-    server_args = ["--context-length", "4096", *args.server_arg]
-    with SglangServer(model, device=args.device, extra_args=server_args, name="demo-realtime") as server:
+    with realtime_server(args, "demo-realtime") as server:
         print(f"server ready on {server.base_url} in {server.startup_seconds:.1f} s (log: {server.log_path})")
         asyncio.run(stream(server.base_url.replace("http://", "ws://") + "/v1/video/realtime", args))
     if args.model is None:

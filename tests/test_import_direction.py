@@ -65,7 +65,7 @@ LAYERS: list[tuple[str, list[list[str]]]] = [
         "shared contracts",
         [["mossvl_ascend.side_channel", "mossvl_ascend.patch_record", "mossvl_ascend.checkpoint_code"]]
         + [["mossvl_ascend.modelslim_format"]]
-        + [["mossvl_ascend.host_memory"]],
+        + [["mossvl_ascend.host_memory", "mossvl_ascend.env_switch"]],
     ),
 ]
 

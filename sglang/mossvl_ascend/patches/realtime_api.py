@@ -6,13 +6,13 @@ Catalog entry: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional
 
 from fastapi import WebSocket
 from sglang.srt.plugins.hook_registry import HookType
 from starlette.routing import WebSocketRoute
 
+from mossvl_ascend.env_switch import env_switch
 from mossvl_ascend.patch_record import ON_NPU_AND_CPU, Patch
 from mossvl_ascend.realtime.engine import ServedRealtimeEngine
 from mossvl_ascend.realtime.websocket import VIDEO_REALTIME_PATH, mount
@@ -27,12 +27,7 @@ GATEWAY_PATH = "/v1/realtime"
 
 
 def benchmark_mode_from_env() -> bool:
-    value = os.environ.get(BENCHMARK_MODE_ENV, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{BENCHMARK_MODE_ENV}={value!r}: use 1 or 0")
+    return env_switch(BENCHMARK_MODE_ENV, default=False)
 
 
 def mount_realtime_api(*args: Any, **kwargs: Any) -> None:

@@ -10,7 +10,6 @@ script and style and connect only to this server's own origin (HTTP and ``ws``/`
 
 from __future__ import annotations
 
-import os
 import re
 from importlib import resources
 from typing import Optional
@@ -18,6 +17,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from ..env_switch import env_switch
 from .websocket import VIDEO_REALTIME_PATH
 
 # On by default (llama.cpp's built-in UI is too); 0 turns the page off (its paths answer 404).
@@ -34,12 +34,7 @@ _HOST = re.compile(r"^(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?$")
 
 
 def page_enabled() -> bool:
-    value = os.environ.get(UI_ENV, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{UI_ENV}={value!r}: use 1 or 0")
+    return env_switch(UI_ENV, default=True)
 
 
 def is_public_page_request(method: str, path: str) -> bool:
