@@ -56,13 +56,15 @@ CHAT_PATH = "/v1/chat/completions"
 
 class StandInSession:
     """STAND-IN for an engine session: frame 0 opens an answer in turn 0 ("watching", which never parks); frames
-    after the first question are silent; a question interrupts the turn, answers "hello" + " world" in the next
-    turn and reports a non-fatal error; a question containing "slowly" answers a word every 0.1 s, never parking."""
+    after the first question are silent, except while a slow answer streams (a model that is talking does not answer
+    a frame with silence); a question interrupts the turn, answers "hello" + " world" in the next turn and reports a
+    non-fatal error; a question containing "slowly" answers a word every 0.1 s, never parking."""
 
     def __init__(self, engine: "StandInEngine"):
         self.engine = engine
         self.outputs: asyncio.Queue = asyncio.Queue()
         self.turn = 0
+        self.talking = False
         self.closed = False
         self.loop = asyncio.get_running_loop()
         self.emit(api.READY)
@@ -76,7 +78,7 @@ class StandInSession:
         self.emit(api.PROCESSED, seq_no=frame.seq_no)
         if frame.seq_no == 0:
             self.emit(api.TEXT, text="watching")
-        elif self.turn > 0:
+        elif self.turn > 0 and not self.talking:
             self.emit(api.SILENCE)
 
     def push_prompt(self, prompt: str, seq_no=None) -> None:
@@ -85,6 +87,7 @@ class StandInSession:
         self.turn += 1
         self.emit(api.PROCESSED, seq_no=seq_no, next_turn_id=self.turn, turn_id=self.turn - 1)
         if "slowly" in prompt:
+            self.talking = True
             for index in range(600):
                 self.loop.call_later(0.1 * index, self._word, index)
             return
