@@ -25,8 +25,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import requests
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "sglang")]
 
@@ -34,7 +32,7 @@ from moss_vl_reference.tiny_checkpoint import build_or_reuse  # noqa: E402
 from mossvl_ascend import quantize  # noqa: E402
 from serving.launch import SglangServer  # noqa: E402
 from support.npu_route_probe import MODE_ENV, PROBE_ENV, install_probe  # noqa: E402
-from support.serving import CASES, to_openai  # noqa: E402
+from support.serving import CASES, greedy_with_logprobs, to_openai  # noqa: E402
 
 PROMPTS = {
     name: CASES[name] for name in ("image_data_url", "two_images", "three_turns", "video", "text_only", "long_question")
@@ -54,22 +52,6 @@ def request_parts(processor, messages):
     return text, images or None, videos or None
 
 
-def greedy_with_top_logprob(base_url: str, text: str, images, videos, max_new_tokens: int) -> dict:
-    """Native /generate, greedy, with every prompt and output token's logprob and its most likely token."""
-    body = {
-        "text": text,
-        "image_data": images,
-        "video_data": videos,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
-        "return_logprob": True,
-        "logprob_start_len": 0,
-        "top_logprobs_num": 1,
-    }
-    response = requests.post(f"{base_url}/generate", json=body, timeout=600)
-    response.raise_for_status()
-    return response.json()["meta_info"]
-
-
 def serve_all(checkpoint: Path, prompts: dict, max_new_tokens: int, probe_dir: Path, name: str) -> dict:
     server = SglangServer(
         checkpoint,
@@ -82,7 +64,9 @@ def serve_all(checkpoint: Path, prompts: dict, max_new_tokens: int, probe_dir: P
     answers = {}
     with server:
         for prompt, (text, images, videos) in prompts.items():
-            answers[prompt] = greedy_with_top_logprob(server.base_url, text, images, videos, max_new_tokens)
+            answers[prompt] = greedy_with_logprobs(server.base_url, text, images, videos, max_new_tokens, 1)[
+                "meta_info"
+            ]
     return answers
 
 

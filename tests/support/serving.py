@@ -267,9 +267,10 @@ def cached_tokens(usage) -> int:
     return (details.cached_tokens or 0) if details is not None else 0
 
 
-def greedy_with_logprobs(base_url: str, text, image_data, video_data, max_new_tokens: int):
-    """Native ``/generate``, greedy, never stopping at EOS, with every prompt and output token's logprob: ``text`` one
-    string (-> its answer) or a list (a batch request -> a list of answers), media as stock's request takes it."""
+def greedy_with_logprobs(base_url: str, text, image_data, video_data, max_new_tokens: int, top_logprobs_num: int = 0):
+    """Native ``/generate``, greedy, never stopping at EOS, with every prompt and output token's logprob (and its
+    ``top_logprobs_num`` most likely tokens, if any): ``text`` one string (-> its answer) or a list (a batch request
+    -> a list of answers), media as stock's request takes it."""
     body = {
         "text": text,
         "image_data": image_data,
@@ -278,6 +279,8 @@ def greedy_with_logprobs(base_url: str, text, image_data, video_data, max_new_to
         "return_logprob": True,
         "logprob_start_len": 0,
     }
+    if top_logprobs_num:
+        body["top_logprobs_num"] = top_logprobs_num
     response = requests.post(f"{base_url}/generate", json=body, timeout=600)
     response.raise_for_status()
     return response.json()
