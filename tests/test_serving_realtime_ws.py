@@ -721,6 +721,9 @@ def test_a_client_cannot_pose_as_a_realtime_step(keyed_server, checkpoint):
     or not) or a chat completion naming a realtime rid is refused with 400, runs nothing (no step in the
     scheduler's log) and leaves no KV held (`/v1/loads`); the socket's sessions go on."""
     url = keyed_server.base_url
+    # The module's earlier sessions release their KV after their sockets close: start from an idle pool, so the
+    # check below sees only what the refused requests hold.
+    assert all(load["num_used_tokens"] == 0 for load in keyed_idle(keyed_server))
     responses = [
         requests.post(f"{url}/generate", json=body, headers=AUTH, timeout=120)
         for body in posing_step_bodies(checkpoint)
