@@ -47,7 +47,7 @@ class StreamingManager:
             vocab_size=len(processor.tokenizer),
         )
         self.context_len = 4096
-        self.server_args = SimpleNamespace(max_running_requests=None)
+        self.server_args = SimpleNamespace(max_running_requests=None, disaggregation_mode="null")
         self.turns, self.requests, self.interrupts = list(turns), [], set()
         self.outputs: list[list[int]] = []  # the tokens each step request yielded
         self.take_offers, self.offers = take_offers, {}  # rid -> the prompts its interrupt offered
@@ -270,6 +270,33 @@ def test_a_prompt_longer_than_the_context_is_refused_and_the_session_goes_on(pro
     error, pending = asyncio.run(run())
     assert error.code == "invalid_request" and "(64)" in error.message and "tokens" in error.message
     assert pending == 1
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_a_pd_worker_refuses_sessions_at_the_handshake_and_at_open_naming_its_role(processor, mode):
+    """Oracle: the aggregated stand-in (mode "null") opens the same session; a PD worker refuses it
+    with `unsupported_deployment` (no session registered) and a message naming its role and where sessions go."""
+    from mossvl_ascend.realtime.engine import ServedRealtimeEngine
+    from mossvl_ascend.realtime.session_api import RealtimeError, SessionConfig
+
+    async def run():
+        manager = StreamingManager(processor, [])
+        engine = ServedRealtimeEngine(lambda: manager)
+        await (await engine.open(SessionConfig(max_new_tokens=LIMIT))).close()
+        manager.server_args.disaggregation_mode = mode
+        sessions = len(engine.sessions)
+        with pytest.raises(RealtimeError) as at_handshake:
+            engine.check_capacity()
+        with pytest.raises(RealtimeError) as at_open:
+            await engine.open(SessionConfig(max_new_tokens=LIMIT))
+        return [at_handshake.value, at_open.value], len(engine.sessions) - sessions
+
+    refusals, sessions_added = asyncio.run(run())
+    for error in refusals:
+        assert error.code == "unsupported_deployment", error
+        assert f"PD {mode} worker (--disaggregation-mode {mode})" in error.message
+        assert "aggregated worker" in error.message and "realtime=true" in error.message
+    assert sessions_added == 0
 
 
 def test_a_prompt_while_parked_announces_its_turn(processor):

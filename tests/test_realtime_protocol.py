@@ -616,6 +616,21 @@ def test_a_full_server_refuses_before_session_created(client, engine):
     assert engine.configs == [] and engine.sessions == []
 
 
+def test_a_pd_worker_refuses_before_session_created_and_closes_1011(client, engine):
+    """A refusal that waiting does not cure (the engine's PD check) is not closed 1013 (try again later)."""
+    engine.full = api.RealtimeError("unsupported_deployment", "not on a PD decode worker")
+    with client.websocket_connect(URL) as ws:
+        assert ws.receive_json() == {
+            "type": "error",
+            "code": "unsupported_deployment",
+            "message": "not on a PD decode worker",
+        }
+        with pytest.raises(WebSocketDisconnect) as closed:
+            ws.receive_json()
+        assert closed.value.code == 1011
+    assert engine.configs == [] and engine.sessions == []
+
+
 def test_a_connection_not_yet_configured_holds_its_place(engine):
     """Capacity counts the connections between the handshake and `session.configure` (the real server counts a
     session from its handshake): the engine is told how many wait."""

@@ -67,6 +67,8 @@ logger = logging.getLogger(__name__)
 
 SILENCE_TOKEN = "<|silence|>"
 FRAME_WINDOW_ENV = "MOSSVL_REALTIME_FRAME_WINDOW_S"
+# Our error code for a session refused by a PD worker (the real server has no PD and no code for it).
+UNSUPPORTED_DEPLOYMENT = "unsupported_deployment"
 CONTROL_TOKEN = re.compile(r"^<\|[^|]+\|>$")
 
 
@@ -198,6 +200,7 @@ class ServedRealtimeEngine:
         return "MossVLForConditionalGeneration" in architectures
 
     def check_capacity(self, waiting: int = 0) -> None:
+        self._check_deployment(self.tokenizer_manager)
         self._check_capacity(self.tokenizer_manager, waiting)
 
     async def open(self, config: SessionConfig) -> "ServedSession":
@@ -211,11 +214,24 @@ class ServedRealtimeEngine:
                 f"max_new_tokens {config.max_new_tokens} does not fit the context ({manager.context_len} tokens) "
                 "with the session's prompt: ask for fewer",
             )
+        self._check_deployment(manager)
         self._check_capacity(manager)
         session = ServedSession(self, config)
         self.sessions[session.session_id] = session
         session.start()
         return session
+
+    @staticmethod
+    def _check_deployment(manager) -> None:
+        """Refuse sessions on a PD worker: a session grows one request's rows step by step on the server that holds
+        its KV, and PD moves a request's KV once, from a prefill to a decode worker, when its prefill ends."""
+        mode = manager.server_args.disaggregation_mode
+        if mode != "null":
+            raise RealtimeError(
+                UNSUPPORTED_DEPLOYMENT,
+                f"realtime sessions are not served by a PD {mode} worker (--disaggregation-mode {mode}): open them on "
+                "an aggregated worker (behind smg: one registered with the label realtime=true)",
+            )
 
     def _check_capacity(self, manager, waiting: int = 0) -> None:
         """Refuse a session the engine could not carry to a full context, or one past the request cap (a parked

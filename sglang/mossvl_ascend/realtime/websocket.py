@@ -5,6 +5,7 @@ One connection is one :class:`~.session_api.EngineSession`:
 0. the handshake: with ``--api-key`` / ``--admin-api-key`` the key is checked first (401, no session state); a
    server already holding as many sessions (configured or not) as it can carry sends
    ``error{code: session_capacity_exceeded}`` and closes 1013 before ``session.created``, as the real server does;
+   a PD prefill or decode worker sends ``error{code: unsupported_deployment}`` and closes 1011 there;
 1. server ``session.created``; the client has ``configure_timeout_s`` to send a valid ``session.configure``
    (invalid messages get an error and do not reset the deadline; expiry: ``configuration_timeout``, close);
 2. ``engine.open`` (a :class:`RealtimeError` -> ``error`` with its code: ``invalid_request``, a configuration the
@@ -48,6 +49,13 @@ CAPACITY_CLOSE_CODE = 1013  # "try again later": the engine cannot hold one more
 # The realtime video socket's path (the real server's); its capabilities route is under it.
 VIDEO_REALTIME_PATH = "/v1/video/realtime"
 _CAPACITY_CODES = {p.SESSION_CAPACITY_EXCEEDED, p.INSUFFICIENT_KV_CAPACITY}
+
+
+def close_code_of(error_code: str) -> int:
+    """The WebSocket close code after a refused session: 1013 (try again later) for the capacity codes, else 1011."""
+    return CAPACITY_CLOSE_CODE if error_code in _CAPACITY_CODES else 1011
+
+
 # Fallback re-check of pending_inputs while input.frame.ready is held back: the engine's outputs wake the wait
 # at once, but pending_inputs may also fall without an output (a drain that emits nothing yet).
 _CAPACITY_POLL_S = 0.05
@@ -124,7 +132,7 @@ def mount(
             # Before session.created, as the real server refuses: a client reads its first event for this code.
             logger.info("realtime connection refused: %s (%s)", exc.code, exc.message)
             await websocket.send_json(p.ErrorEvent(code=exc.code, message=exc.message).dump())
-            await websocket.close(code=CAPACITY_CLOSE_CODE)
+            await websocket.close(code=close_code_of(exc.code))
             return
         connection = _Connection(websocket, engine, limits, waiting)
         waiting.add(connection)
@@ -294,7 +302,7 @@ class _Connection:
                 if exc.code == p.INVALID_REQUEST:  # a configuration the engine cannot serve: the client may retry
                     self.waiting.add(self)
                     continue
-                await self._close_socket(CAPACITY_CLOSE_CODE if exc.code in _CAPACITY_CODES else 1011)
+                await self._close_socket(close_code_of(exc.code))
                 return False
             break
         self.config = event
