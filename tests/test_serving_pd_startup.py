@@ -1,4 +1,6 @@
-"""A PD decode server refuses at start-up, with one line, the retraction backup a CPU cannot run.
+"""PD workers refuse at start-up, with one line, what they cannot run: a CPU decode server's ``host_pool`` retraction
+backup (a real launch), a transfer backend or KV checksum another device runs, and the ``ascend`` backend on the
+simulated Ascend host without memfabric or its store URL (argument resolution in process, no server).
 
 Oracle: stock sglang's own failure without the refusal (``host_pool`` builds a host KV pool that registers memory
 through CUDA: "Found no NVIDIA driver on your system", seen on this machine before the refusal existed); the refusal
@@ -7,6 +9,9 @@ must come from argument resolution, before any scheduler starts, and name the fl
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
 import subprocess
 
 import pytest
@@ -34,3 +39,142 @@ def test_a_cpu_decode_server_with_a_host_pool_retraction_backup_is_refused_with_
     assert sum(refusal in line for line in output.splitlines()) == 1, output[-3000:]
     assert "use cpu_tensor" in output and "active in scheduler" not in output, output[-3000:]
     assert "Found no NVIDIA driver" not in output, output[-3000:]
+
+
+# -- argument resolution, in process (no server): what a PD worker cannot run on this device or host is refused there
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Resolution writes the launcher's environment (``MC_FORCE_TCP``, the Mooncake TCP limits): put it back."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def pd_hooks_applied():
+    from mossvl_ascend.patches import pd_disaggregation, server_args
+    from support.hooks import patches_applied
+
+    with patches_applied(*server_args.PATCHES, *pd_disaggregation.PATCHES):
+        yield
+
+
+@pytest.fixture
+def simulated_ascend_host(monkeypatch):
+    """STAND-IN for what stock's NPU resolution reads from the card (its memory size, torch_npu needed): a 64 GiB
+    910B2-class card, as tests/test_server_args.py simulates it. Nothing else of the host is simulated."""
+    import sglang.srt.hardware_backend.npu.utils as npu_utils
+    import sglang.srt.utils.common as common
+
+    monkeypatch.setattr(npu_utils, "get_npu_memory_capacity", lambda: 64 * 1024)
+    monkeypatch.setattr(common, "get_npu_memory_capacity", lambda: 64 * 1024)
+    for name in ("ASCEND_MF_STORE_URL", "ASCEND_MF_TRANSFER_PROTOCOL", "ASCEND_USE_FIA", "ASCEND_USE_FA"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def memfabric_installed(tmp_path, monkeypatch):
+    """STAND-IN ``memfabric_hybrid``: an empty importable package (argument resolution only looks for it; the real one
+    dlopens libascend_hal.so at import, which this host lacks)."""
+    (tmp_path / "memfabric_hybrid").mkdir()
+    (tmp_path / "memfabric_hybrid" / "__init__.py").write_text('"""STAND-IN memfabric_hybrid (import only)."""\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def resolve(*argv):
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(["--model-path", str(build_or_reuse("tiny")), "--trust-remote-code", *argv])
+    args.resolve_once()
+    return resolving_view(args)
+
+
+def refusal(*argv) -> str:
+    with pytest.raises(ValueError) as refused:
+        resolve(*argv)
+    message = str(refused.value)
+    assert "\n" not in message, message
+    return message
+
+
+NPU_PREFILL = ["--device", "npu", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "ascend"]
+
+
+def test_the_ascend_backend_on_the_simulated_ascend_host_names_the_missing_memfabric(
+    pd_hooks_applied, simulated_ascend_host
+):
+    """Oracle: this host has no memfabric_hybrid (stock would fail in the scheduler, `ascend/transfer_engine.py`
+    re-raising its ImportError after a warning)."""
+    assert importlib.util.find_spec("memfabric_hybrid") is None
+    message = refusal(*NPU_PREFILL)
+    assert "--disaggregation-transfer-backend ascend needs the Python package memfabric_hybrid" in message
+    assert "not installed here" in message and "pip install memfabric-hybrid" in message
+
+
+@pytest.mark.parametrize("store_url", [None, "127.0.0.1:8100", "tcp://127.0.0.1"])
+def test_the_ascend_backend_with_memfabric_needs_its_store_url(
+    pd_hooks_applied, simulated_ascend_host, memfabric_installed, monkeypatch, store_url
+):
+    if store_url is not None:
+        monkeypatch.setenv("ASCEND_MF_STORE_URL", store_url)
+    message = refusal(*NPU_PREFILL)
+    assert "needs ASCEND_MF_STORE_URL=tcp://IP:PORT" in message and repr(store_url or "nothing") in message
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_the_ascend_backend_resolves_on_the_simulated_ascend_host_with_memfabric_and_its_store(
+    pd_hooks_applied, simulated_ascend_host, memfabric_installed, monkeypatch, mode
+):
+    monkeypatch.setenv("ASCEND_MF_STORE_URL", "tcp://127.0.0.1:8100")
+    monkeypatch.setenv("ASCEND_MF_TRANSFER_PROTOCOL", "device_rdma")
+    argv = ["--device", "npu", "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "ascend"]
+    lines = []
+    collect = logging.Handler()
+    collect.emit = lambda record: lines.append(record.getMessage())
+    plugin_logger = logging.getLogger("mossvl_ascend.patches.pd_disaggregation")
+    plugin_logger.addHandler(collect)  # sglang resets the root logger's handlers: listen on the plugin's own
+    try:
+        view = resolve(*argv)
+    finally:
+        plugin_logger.removeHandler(collect)
+    assert (view.device, view.disaggregation_mode, view.disaggregation_transfer_backend) == ("npu", mode, "ascend")
+    assert view.page_size == 128
+    assert "PD over memfabric: store tcp://127.0.0.1:8100, protocol device_rdma" in lines
+    if mode == "decode":  # stock's NPU choice stays (the CPU one is cpu_tensor)
+        assert view.disaggregation_decode_retraction_backup != "cpu_tensor"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--disaggregation-transfer-backend", "ascend"],
+            "--disaggregation-transfer-backend ascend cannot run on --device cpu: its engine moves npu memory",
+        ),
+        (
+            ["--disaggregation-transfer-backend", "nixl"],
+            "--disaggregation-transfer-backend nixl cannot run on --device cpu: its engine moves cuda memory",
+        ),
+        (
+            ["--disaggregation-transfer-backend", "mooncake_tcp", "--disaggregation-enable-kv-checksum"],
+            "--disaggregation-enable-kv-checksum cannot run on --device cpu: stock computes the checksum on cuda",
+        ),
+    ],
+)
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_a_cpu_pd_worker_refuses_what_only_another_device_runs_with_one_line(pd_hooks_applied, argv, expected, mode):
+    """Oracle: the engines' own sources (nixl registers "VRAM", memfabric dlopens libascend_hal.so, the checksum is
+    built on ``cuda:<gpu_id>``): each would fail in the scheduler after the model loaded, or not at all on CPU."""
+    assert expected in refusal("--device", "cpu", "--dtype", "float32", "--disaggregation-mode", mode, *argv)
+
+
+def test_a_cpu_pd_worker_over_mooncake_tcp_still_resolves(pd_hooks_applied, monkeypatch):
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    argv = ["--device", "cpu", "--dtype", "float32", "--disaggregation-transfer-backend", "mooncake_tcp"]
+    view = resolve(*argv, "--disaggregation-mode", "decode")
+    assert view.disaggregation_transfer_backend == "mooncake"
+    assert view.disaggregation_decode_retraction_backup == "cpu_tensor"

@@ -7,8 +7,10 @@ Catalog entries: ``PATCHES`` below (rendered into ``sglang/PATCHES.md``).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -27,6 +29,20 @@ MOONCAKE_TCP_LIMITS = {
     "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
     "MC_TCP_ADMISSION_TIMEOUT_MS": "10000",
 }
+
+
+# The device each transfer backend's engine moves memory of (read in sglang 0.5.23): nixl registers the KV as "VRAM"
+# (`disaggregation/nixl/conn.py`), mori is AMD's GPU RDMA/SDMA, `ascend` is memfabric's NPU transfer
+# (`disaggregation/ascend/transfer_engine.py`, `libmf_hybm_core.so` dlopens `libascend_hal.so`).
+BACKEND_DEVICES = {"nixl": ("cuda",), "mori": ("cuda",), "ascend": ("npu",)}
+# The Python package each backend's engine imports, and how to install it.
+BACKEND_PACKAGES = {
+    "mooncake": ("mooncake", "pip install mooncake-transfer-engine (mooncake-transfer-engine-non-cuda off CUDA)"),
+    "ascend": ("memfabric_hybrid", "pip install memfabric-hybrid, with the CANN toolkit"),
+}
+# memfabric's config store, which every prefill and decode process of a deployment connects to.
+ASCEND_STORE_URL_ENV = "ASCEND_MF_STORE_URL"
+ASCEND_STORE_URL = re.compile(r"^tcp://[^:/\s]+:\d+$")
 
 
 def encoder_len_of(req: Any) -> int:
@@ -66,12 +82,44 @@ def pd_start_up(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any
     cfg = resolving_view(server_args)
     if cfg.disaggregation_mode == "null":
         return result
+    refuse_what_this_host_cannot_transfer(cfg.device, cfg.disaggregation_transfer_backend)
+    if cfg.disaggregation_enable_kv_checksum and cfg.device != "cuda":
+        raise ValueError(
+            f"--disaggregation-enable-kv-checksum cannot run on --device {cfg.device}: stock computes the checksum on "
+            "cuda:<gpu_id> (disaggregation/prefill.py, decode.py); drop the flag."
+        )
     if cfg.disaggregation_transfer_backend == "mooncake" and os.environ.get("MC_FORCE_TCP") == "1":
         set_mooncake_tcp_limits()
     if cfg.disaggregation_mode == "decode" and cfg.device == "cpu":
         backup = cpu_retraction_backup(cfg.disaggregation_decode_retraction_backup)
         declare_resolution(server_args, "mossvl_ascend.pd_start_up", disaggregation_decode_retraction_backup=backup)
     return result
+
+
+def refuse_what_this_host_cannot_transfer(device: str, backend: str) -> None:
+    """One line, before any scheduler starts, for a transfer backend this device or this environment cannot run;
+    for ``ascend``, one line naming its protocol once it resolves."""
+    devices = BACKEND_DEVICES.get(backend)
+    if devices is not None and device not in devices:
+        raise ValueError(
+            f"--disaggregation-transfer-backend {backend} cannot run on --device {device}: its engine moves "
+            f"{'/'.join(devices)} memory; use mooncake_tcp on cpu, ascend on npu."
+        )
+    package, install = BACKEND_PACKAGES.get(backend, (None, None))
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ValueError(
+            f"--disaggregation-transfer-backend {backend} needs the Python package {package}, which is not "
+            f"installed here ({install})."
+        )
+    if backend == "ascend":
+        store_url = os.environ.get(ASCEND_STORE_URL_ENV, "")
+        if not ASCEND_STORE_URL.match(store_url):
+            raise ValueError(
+                f"--disaggregation-transfer-backend ascend needs {ASCEND_STORE_URL_ENV}=tcp://IP:PORT (memfabric's "
+                f"config store, the same on every prefill and decode server); got {store_url or 'nothing'!r}."
+            )
+        protocol = os.environ.get("ASCEND_MF_TRANSFER_PROTOCOL") or "sdma (default; A2/910B needs device_rdma)"
+        logger.info("PD over memfabric: store %s, protocol %s", store_url, protocol)
 
 
 def set_mooncake_tcp_limits() -> None:
@@ -141,7 +189,10 @@ PATCHES = (
         remove_when="`send_kv_chunk` checks the device before the host-index path",
     ),
     Patch(
-        title="PD workers on CPU and NPU: Mooncake TCP limits, a CPU decode server's retraction backup",
+        title=(
+            "PD workers on CPU and NPU: Mooncake TCP limits, a CPU decode server's retraction backup, what the host "
+            "cannot transfer refused"
+        ),
         target="sglang.srt.arg_groups.pd_disaggregation_hook.handle_pd_disaggregation",
         kind=HookType.AFTER,
         hook=pd_start_up,
@@ -152,7 +203,12 @@ PATCHES = (
             "entries failed with rc=-1 on a busy CPU, and sglang fails the peer session for good after one failed "
             "batch. A CPU decode server did not start: with `--disaggregation-decode-retraction-backup` unset stock "
             "infers `host_pool`, whose host KV pool registers memory through CUDA (`mem_cache/pool_host/common.py` "
-            "`_cuda_host_register`: 'Found no NVIDIA driver on your system')."
+            "`_cuda_host_register`: 'Found no NVIDIA driver on your system'). Stock resolves, and fails only in the "
+            "scheduler after the model loaded (or never, silently), a transfer backend for another device (nixl "
+            "registers the KV as VRAM, `ascend`'s memfabric dlopens libascend_hal.so), an engine whose package is "
+            "missing (`ascend/transfer_engine.py` re-raises memfabric's ImportError), `ascend` without "
+            "`ASCEND_MF_STORE_URL` (memfabric initialises with None), and `--disaggregation-enable-kv-checksum` off "
+            "CUDA (built on `cuda:<gpu_id>`)."
         ),
         how=(
             "for a PD server on Mooncake with `MC_FORCE_TCP=1` (what `mooncake_tcp` sets), "
@@ -160,7 +216,11 @@ PATCHES = (
             + " are set in the launcher's environment (inherited by the scheduler) unless the user set them, one line "
             "logging what was set and what kept. A decode server on CPU resolves the retraction backup to "
             "`cpu_tensor` when unset (one line) and refuses `host_pool` with one line; on NPU stock's choice stays "
-            "(`host_pool` with the `kernel_ascend` IO backend)."
+            "(`host_pool` with the `kernel_ascend` IO backend). Refused with one line at argument resolution: "
+            "nixl/mori off CUDA and `ascend` off NPU; `mooncake`/`ascend` when `mooncake`/`memfabric_hybrid` is not "
+            "importable (naming the pip package); `ascend` without `ASCEND_MF_STORE_URL=tcp://IP:PORT`; the KV "
+            "checksum off CUDA. `ascend` that resolves logs its store and protocol (sdma by default; A2 needs "
+            "`ASCEND_MF_TRANSFER_PROTOCOL=device_rdma`)."
         ),
         upstream="Mooncake's defaults, sglang sets none of them; stock's `host_pool` inference ignores the device",
         remove_when=(
