@@ -22,6 +22,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "paged_decode",
     "pd_disaggregation",
     "kv_pool",
+    "pd_kv_transfer",
     "realtime_sessions",
     "realtime_api",
     "realtime_ui",

@@ -65,6 +65,10 @@ GRAPH_UPDATE: Attached[Any] = Attached("mossvl_graph_update", "NPU graph backend
 # and the bytes of its storage layers (what the layout spends, for the start-up log and the tests).
 ENCODER_ADDRESSING: Attached[Any] = Attached("mossvl_encoder_addressing", "KV pool")
 STORAGE_BYTES: Attached[int] = Attached("mossvl_storage_bytes", "KV pool")
+# ... its storage layers themselves (``(k_layers, v_layers)``: what the PD transfer moves, band by band), and for any
+# MOSS-VL pool the layout's name (``attention.kv_layout.layout_name``: what the PD peers must agree on).
+KV_STORAGE: Attached[Any] = Attached("mossvl_kv_storage", "KV pool")
+KV_LAYOUT_NAME: Attached[str] = Attached("mossvl_kv_layout_name", "KV pool")
 
 
 def encoder_len_of(req: Any) -> int:

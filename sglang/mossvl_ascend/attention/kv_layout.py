@@ -149,6 +149,21 @@ def band_view(storage: torch.Tensor, bands: int, band: int | None) -> torch.Tens
     return storage[band * per_band : (band + 1) * per_band]
 
 
+def band_buffers(storage: list[torch.Tensor], bands: int) -> list[torch.Tensor]:
+    """Every band of every storage layer, storage-major (storage 0's bands, then storage 1's, ...): the contiguous
+    buffers the pool really is, none overlapping another, each indexed by slot (or page) like a stock layer buffer.
+    A request's slots in all of them are every byte it owns: text K/V in the self-attention bands, vision units
+    (band ``t // R`` of encoder slot ``t % R``) in the cross-attention layers' flat view of the same rows."""
+    return [band_view(layer, bands, band) for layer in storage for band in range(bands)]
+
+
+def layout_name(bands: "LayerBands | None") -> str:
+    """What a PD peer must share: ``mossvl`` with its bands and cross-attention layers, or ``stock``."""
+    if bands is None:
+        return STOCK
+    return f"{MOSSVL} ({bands.bands} bands x {bands.cross_count} cross-attention layers of {bands.num_layers})"
+
+
 def encoder_write_addresses(
     row_lens: list[int],
     vision_tokens: list[int],

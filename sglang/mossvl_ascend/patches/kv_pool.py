@@ -26,6 +26,7 @@ from mossvl_ascend.attention.kv_layout import (
     band_view,
     encoder_row_len,
     encoder_write_addresses,
+    layout_name,
     requested_layout,
     storage_tokens,
 )
@@ -37,13 +38,17 @@ logger = logging.getLogger(__name__)
 CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 
 
+def is_moss_vl(configurator) -> bool:
+    hf_config = configurator.model_config.hf_config
+    return getattr(hf_config, "model_type", None) == "moss_vl" and getattr(hf_config, "text_config", None) is not None
+
+
 def layer_bands_for(configurator) -> LayerBands | None:
     """The layout for this pool, or None where the stock pool stays (not MOSS-VL, ``MOSSVL_KV_LAYOUT=stock``,
     a pipeline stage holding part of the layers, a draft model)."""
-    hf_config = configurator.model_config.hf_config
-    text_config = getattr(hf_config, "text_config", None)
-    if getattr(hf_config, "model_type", None) != "moss_vl" or text_config is None:
+    if not is_moss_vl(configurator):
         return None
+    text_config = configurator.model_config.hf_config.text_config
     if requested_layout() != MOSSVL or configurator.is_draft_worker:
         return None
     bands = LayerBands.of_text_config(text_config)
@@ -57,13 +62,13 @@ def layer_bands_for(configurator) -> LayerBands | None:
 
 def features_that_copy_stock_layers() -> list[str]:
     """Enabled features that move KV between devices one stock layer buffer at a time (they would copy a
-    cross-attention layer's vision tokens by slot): with any of them the stock pool stays."""
+    cross-attention layer's vision tokens by slot): with any of them the stock pool stays. PD disaggregation is not
+    one: its transfer moves the shaped pool's storage band by band (:mod:`mossvl_ascend.patches.pd_kv_transfer`)."""
     from sglang.srt.runtime_context import get_server_args
 
     args = get_server_args()
     enabled = {
         "--enable-hierarchical-cache": args.enable_hierarchical_cache,
-        "--disaggregation-mode": args.disaggregation_mode != "null",
         "--enable-lmcache": args.enable_lmcache,
         "--speculative-algorithm": args.speculative_algorithm is not None,
     }
@@ -114,6 +119,7 @@ def shape_pool(pool, bands: LayerBands, slots: int) -> None:
     pool.model_layer_ids = tuple(range(bands.num_layers))
     pool.size = slots
     side_channel.STORAGE_BYTES.set(pool, sum(t.numel() * t.element_size() for t in storage_k + storage_v))
+    side_channel.KV_STORAGE.set(pool, (tuple(storage_k), tuple(storage_v)))
     side_channel.ENCODER_ADDRESSING.set(pool, EncoderAddressing(bands.bands, band_stride))
 
 
@@ -122,7 +128,10 @@ def build_shaped_pool(original: Callable, configurator, *args: Any, max_total_nu
     :func:`shape_pool`."""
     bands = layer_bands_for(configurator)
     if bands is None:
-        return original(configurator, *args, max_total_num_tokens=max_total_num_tokens, **kwargs)
+        pool = original(configurator, *args, max_total_num_tokens=max_total_num_tokens, **kwargs)
+        if is_moss_vl(configurator):
+            side_channel.KV_LAYOUT_NAME.set(pool, layout_name(None))
+        return pool
     storage_rows = storage_tokens(bands, max_total_num_tokens, configurator.pool_page_size)
     stock_info = configurator.layer_info
     configurator.layer_info = msgspec.structs.replace(
@@ -133,6 +142,7 @@ def build_shaped_pool(original: Callable, configurator, *args: Any, max_total_nu
     finally:
         configurator.layer_info = stock_info
     shape_pool(pool, bands, max_total_num_tokens)
+    side_channel.KV_LAYOUT_NAME.set(pool, layout_name(bands))
     ACTIVE_LAYOUT.record(bands.bands)
     return pool
 
@@ -239,8 +249,9 @@ PATCHES = (
             "pool's bytes; they hold `tokens * L / (bands * L_cross)` slots (whole pages), a slot storing one text "
             "token or `bands` vision tokens. The start-up log gives the capacity in text and in vision tokens. "
             "MOSS-VL only, all layers on this rank (no pipeline split), not a draft model, and none of the features "
-            "that copy KV one stock layer buffer at a time (hierarchical cache, PD disaggregation, LMCache, "
-            "speculative decoding: a warning says the stock pool stays); `MOSSVL_KV_LAYOUT=stock` keeps stock"
+            "that copy KV one stock layer buffer at a time (hierarchical cache, LMCache, speculative decoding: a "
+            "warning says the stock pool stays; PD disaggregation moves the storage band by band, `pd_kv_transfer`); "
+            "`MOSSVL_KV_LAYOUT=stock` keeps stock"
         ),
         upstream="not in sglang (its hybrid pools split by layer kind for sliding-window and linear attention)",
         remove_when="sglang sizes encoder-decoder KV per layer kind",
