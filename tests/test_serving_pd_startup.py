@@ -178,3 +178,20 @@ def test_a_cpu_pd_worker_over_mooncake_tcp_still_resolves(pd_hooks_applied, monk
     view = resolve(*argv, "--disaggregation-mode", "decode")
     assert view.disaggregation_transfer_backend == "mooncake"
     assert view.disaggregation_decode_retraction_backup == "cpu_tensor"
+
+
+def test_a_cpu_prefill_worker_sends_a_cached_prefix_with_the_rest_of_the_kv(pd_hooks_applied, monkeypatch):
+    """Oracle: stock's early send (``prefill.py`` ``maybe_send_cached_prefix_chunk``) records a ``torch.cuda.Event``,
+    which killed a CPU prefill scheduler at the first repeated request (tests/test_serving_pd_faults.py); its switch
+    is off for a prefill worker, refused when the user turned it on, and a decode worker's environment is untouched."""
+    name = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
+    argv = ["--device", "cpu", "--dtype", "float32", "--disaggregation-transfer-backend", "mooncake_tcp"]
+    monkeypatch.delenv(name, raising=False)
+    resolve(*argv, "--disaggregation-mode", "decode")
+    assert name not in os.environ
+    resolve(*argv, "--disaggregation-mode", "prefill")
+    assert os.environ[name] == "0"
+    monkeypatch.setenv(name, "true")
+    assert f"{name}=true cannot run on a PD prefill server off CUDA" in refusal(
+        *argv, "--disaggregation-mode", "prefill"
+    )

@@ -40,6 +40,10 @@ BACKEND_PACKAGES = {
     "mooncake": ("mooncake", "pip install mooncake-transfer-engine (mooncake-transfer-engine-non-cuda off CUDA)"),
     "ascend": ("memfabric_hybrid", "pip install memfabric-hybrid, with the CANN toolkit"),
 }
+# sglang's switch for a prefill server's early send of a request's radix-cached prefix
+# (`disaggregation/prefill.py` `maybe_send_cached_prefix_chunk`): with overlap scheduling it records a
+# `torch.cuda.Event` on the forward stream, which off CUDA kills the scheduler.
+EARLY_SEND_ENV = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
 # memfabric's config store, which every prefill and decode process of a deployment connects to.
 ASCEND_STORE_URL_ENV = "ASCEND_MF_STORE_URL"
 ASCEND_STORE_URL = re.compile(r"^tcp://[^:/\s]+:\d+$")
@@ -88,6 +92,8 @@ def pd_start_up(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any
             f"--disaggregation-enable-kv-checksum cannot run on --device {cfg.device}: stock computes the checksum on "
             "cuda:<gpu_id> (disaggregation/prefill.py, decode.py); drop the flag."
         )
+    if cfg.disaggregation_mode == "prefill" and cfg.device != "cuda":
+        send_cached_prefixes_with_the_rest()
     if cfg.disaggregation_transfer_backend == "mooncake" and os.environ.get("MC_FORCE_TCP") == "1":
         set_mooncake_tcp_limits()
     if cfg.disaggregation_mode == "decode" and cfg.device == "cpu":
@@ -120,6 +126,20 @@ def refuse_what_this_host_cannot_transfer(device: str, backend: str) -> None:
             )
         protocol = os.environ.get("ASCEND_MF_TRANSFER_PROTOCOL") or "sdma (default; A2/910B needs device_rdma)"
         logger.info("PD over memfabric: store %s, protocol %s", store_url, protocol)
+
+
+def send_cached_prefixes_with_the_rest() -> None:
+    """Off CUDA a prefill server sends a request's radix-cached prefix with the rest of its KV, not ahead of its
+    forward: stock's early send records a ``torch.cuda.Event`` on the forward stream ("expected stream to be a
+    torch.Stream or torch.cuda.Stream object" on CPU, the scheduler dead). Refused, one line, if the user set it."""
+    chosen = os.environ.get(EARLY_SEND_ENV)
+    if chosen is not None and chosen.strip().lower() in ("true", "1", "yes", "y"):  # stock's EnvBool
+        raise ValueError(
+            f"{EARLY_SEND_ENV}={chosen} cannot run on a PD prefill server off CUDA: its early send records a "
+            "torch.cuda.Event on the forward stream; unset it (the prefix then goes with the rest of the KV)."
+        )
+    os.environ[EARLY_SEND_ENV] = "0"
+    logger.info("PD prefill off CUDA: %s=0 (a cached prefix goes with the rest of the KV).", EARLY_SEND_ENV)
 
 
 def set_mooncake_tcp_limits() -> None:
@@ -208,7 +228,10 @@ PATCHES = (
             "registers the KV as VRAM, `ascend`'s memfabric dlopens libascend_hal.so), an engine whose package is "
             "missing (`ascend/transfer_engine.py` re-raises memfabric's ImportError), `ascend` without "
             "`ASCEND_MF_STORE_URL` (memfabric initialises with None), and `--disaggregation-enable-kv-checksum` off "
-            "CUDA (built on `cuda:<gpu_id>`)."
+            "CUDA (built on `cuda:<gpu_id>`). A CPU prefill server's scheduler died at the first request whose prefix "
+            "its radix cache held (`tests/test_serving_pd_faults.py`, page 1: a video asked twice): "
+            "`maybe_send_cached_prefix_chunk` records a `torch.cuda.Event` on the forward stream, 'expected stream to "
+            "be a torch.Stream or torch.cuda.Stream object'."
         ),
         how=(
             "for a PD server on Mooncake with `MC_FORCE_TCP=1` (what `mooncake_tcp` sets), "
@@ -220,7 +243,9 @@ PATCHES = (
             "nixl/mori off CUDA and `ascend` off NPU; `mooncake`/`ascend` when `mooncake`/`memfabric_hybrid` is not "
             "importable (naming the pip package); `ascend` without `ASCEND_MF_STORE_URL=tcp://IP:PORT`; the KV "
             "checksum off CUDA. `ascend` that resolves logs its store and protocol (sdma by default; A2 needs "
-            "`ASCEND_MF_TRANSFER_PROTOCOL=device_rdma`)."
+            "`ASCEND_MF_TRANSFER_PROTOCOL=device_rdma`). A prefill server off CUDA sets "
+            f"`{EARLY_SEND_ENV}=0` (stock's switch; the cached prefix then goes with the rest of the KV, as stock does "
+            "when the prefix does not end on a page) and refuses it set true, one line each."
         ),
         upstream="Mooncake's defaults, sglang sets none of them; stock's `host_pool` inference ignores the device",
         remove_when=(
