@@ -23,6 +23,8 @@ import os
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import torch
+
 PROBE_ENV = "MOSSVL_NPU_ROUTE_PROBE"
 MODE_ENV = "MOSSVL_NPU_ROUTE_PROBE_MODE"
 ENTRY_POINT = "mossvl_npu_route_probe"
@@ -80,8 +82,6 @@ def _npu_kv_pool(original, configurator, *args, **kwargs):
 
 
 def _after_model_load(result, runner, *args, **kwargs):
-    import torch
-
     model = runner.model
     if os.environ.get(MODE_ENV) == "npu":
         from support.npu_layers import npu_route
@@ -106,13 +106,19 @@ def _count_mixed_batch(result, *args, **kwargs):
 
 def _counted(name, op):
     def call(*args, **kwargs):
-        _op_calls[name] += 1
+        if not torch.compiler.is_compiling():
+            _op_calls[name] += 1
         return op(*args, **kwargs)
 
     return call
 
 
 def _record_module(module, args, kwargs, output):
+    """Records eager forwards only: traced by ``torch.compile`` (a CPU decode graph, ``--enable-torch-compile``) the
+    hook would break the step's graph at every module (its bookkeeping is not traceable), so a captured step is
+    recorded by nothing, and the prefill that precedes every decode records the route."""
+    if torch.compiler.is_compiling():
+        return
     from sglang.kernels.fused_op import BaseFusedOp
 
     kind = type(module)

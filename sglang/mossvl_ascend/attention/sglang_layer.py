@@ -73,14 +73,17 @@ def encoder_decoder_attention(
     ``graph_tables``). q ``[num_tokens, num_heads * head_dim]``; returns ``[num_tokens, num_heads * v_head_dim]``.
     """
     view = None if graph_tables is not None else captured_decode_view(forward_batch)
+    # Rows by slot: the NPU pool's buffers are paged ``[pages, page_size, heads, dim]``, the CPU pool's flat.
+    k_cache = token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, layer.tp_k_head_num, layer.qk_head_dim)
+    v_cache = token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, layer.tp_v_head_num, layer.v_head_dim)
     # A captured CPU decode step writes its text K/V through the in-place op (a quantized cache keeps the pool's own
     # write: it stores scales too).
     in_place = view is not None and not layer.is_cross_attention and not token_to_kv_pool.is_quantized_kv_cache
     if save_kv_cache and k is not None and v is not None:
         if in_place:
             store_decode_kv(
-                token_to_kv_pool.get_key_buffer(layer.layer_id),
-                token_to_kv_pool.get_value_buffer(layer.layer_id),
+                k_cache,
+                v_cache,
                 forward_batch.out_cache_loc,
                 k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim),
                 v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim),
@@ -89,8 +92,6 @@ def encoder_decoder_attention(
             token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.encoder_out_cache_loc, None), k, v)
         else:
             token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, swa_out_cache_loc), k, v)
-    k_cache = token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, layer.tp_k_head_num, layer.qk_head_dim)
-    v_cache = token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, layer.tp_v_head_num, layer.v_head_dim)
     query = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
     constants, addressing = layer_constants(layer), addressing_of_pool(token_to_kv_pool)
     if graph_tables is not None:
