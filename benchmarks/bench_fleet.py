@@ -241,8 +241,13 @@ def ejection(fleet: Fleet) -> tuple[float, str]:
 PD_WORKER_ARGS = ["--dtype", "float32", "--page-size", "128", "--disable-radix-cache", "--skip-server-warmup"]
 PD_WORKER_ARGS += ["--max-total-tokens", "16384", "--context-length", "4096"]
 # As tests/test_serving_pd.py: a worker busy with a video prefill on a loaded 2-core machine missed smg's default
-# 15 s probe and was ejected; no worker is killed here, so probe patiently.
-PATIENT_HEALTH = {"health_interval_s": 5, "health_failure_threshold": 10, "health_timeout_s": 120}
+# 15 s probe and was ejected; no worker is killed here, so probe patiently. A worker's start took over 240 s at load 40.
+PATIENT = {
+    "health_interval_s": 5,
+    "health_failure_threshold": 10,
+    "health_timeout_s": 120,
+    "worker_ready_timeout_s": 900,
+}
 
 
 @dataclass
@@ -515,7 +520,7 @@ def pd_main(args) -> int:
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO_ROOT, capture_output=True, text=True)
     with tempfile.TemporaryDirectory() as scratch:
         # One frame a second: the processor keeps ceil(duration x 1 fps) frames, so every written frame is encoded.
         clip = Path(scratch) / "clip.mp4"
@@ -528,7 +533,7 @@ def pd_main(args) -> int:
         }
         results = {}
         for label, settings in setups.items():
-            with Fleet(checkpoint, worker_args=PD_WORKER_ARGS, **PATIENT_HEALTH, **settings) as fleet:
+            with Fleet(checkpoint, worker_args=PD_WORKER_ARGS, **PATIENT, **settings) as fleet:
                 results[label] = measure_setup(fleet, load, args)
     shapes = results["PD"].videos[0][0].prompt_tokens, results["PD"].chats[0][0].prompt_tokens
     print(
