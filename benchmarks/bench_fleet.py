@@ -410,9 +410,12 @@ def measure_setup(fleet: Fleet, load: MixedLoad, args) -> SetupResult:
 
 
 def pooled(per_round: list[list[Streamed]], figure, q: float) -> tuple[float, float, float]:
-    """(percentile ``q`` over every round's values, its lowest and highest per-round value)."""
-    values = [[value for stream in streams for value in figure(stream)] for streams in per_round]
-    by_round = [percentile(round_values, q) for round_values in values]
+    """(percentile ``q`` over every round's values, its lowest and highest per-round value); a one-token answer's
+    TPOT (nan) is left out."""
+    values = [
+        [value for stream in streams for value in figure(stream) if not math.isnan(value)] for streams in per_round
+    ]
+    by_round = [percentile(round_values, q) for round_values in values if round_values] or [math.nan]
     return percentile([value for round_values in values for value in round_values], q), min(by_round), max(by_round)
 
 

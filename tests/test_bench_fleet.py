@@ -32,6 +32,9 @@ def test_pooled_percentiles_span_every_round_and_report_the_per_round_spread():
     # Nearest rank over the 5 values 10..50: p50 is the 3rd (30), p99 the 5th (50); per round p50 is 10 and 40.
     assert pooled(rounds, lambda stream: [stream.ttft_ms], 50) == pytest.approx((30.0, 10.0, 40.0))
     assert pooled(rounds, lambda stream: [stream.ttft_ms], 99) == pytest.approx((50.0, 20.0, 50.0))
+    two_tokens = Streamed(sent=0.0, arrivals=[0.1, 0.13], tokens=[1, 2], prompt_tokens=1)
+    # One-token answers have no TPOT: only the two-token answer's 30 ms counts.
+    assert pooled([[one(10), two_tokens], [one(20)]], lambda stream: [stream.tpot_ms], 50) == pytest.approx((30.0,) * 3)
 
 
 @pytest.mark.parametrize("mean", [0.0, 0.357, 1.0, 5.12, 30.0])
