@@ -8,9 +8,15 @@ pool is idle (`/v1/loads`). An ordinary OpenAI request runs alongside and still 
 
 With a frame window (`MOSSVL_REALTIME_FRAME_WINDOW_S`) the oracle is the reference stream with the same window, and a
 300-frame stream must hold no more encoder slots than its window's frames need (whole pages).
+
+A server start is about a minute on CI's two cores, so every test whose configuration it is runs on one shared server
+(`shared_server`: page 128, the radix cache, a session cap, an API key, benchmark mode), which each test borrows idle
+with its radix cache empty and reads its log from the borrow on (`keyed_server`). The others start a server of their
+own, for a flag or environment the shared tests must not run under (said at each).
 """
 
 import asyncio
+import contextlib
 import io
 import re
 import time
@@ -40,6 +46,7 @@ from support.realtime import (
     turn_texts,
 )
 from support.realtime_engine_log import steps_the_engine_did_not_extend_alone
+from support.server_pool import Lease
 from support.serving import (
     CASES,
     kv_load,
@@ -47,7 +54,7 @@ from support.serving import (
     openai_client,
     reference_ids,
     served_ids,
-    wait_for_load,
+    server_log,
 )
 
 pytestmark = pytest.mark.timeout(1800)
@@ -60,6 +67,7 @@ DECODE_LINE = re.compile(r"Decode batch, #running-req: \d+,.*?cpu graph: (True|F
 # Every server here: fp32, and no warm-up request before /health answers (each test's first session is one; ~3 s
 # of start-up each).
 SERVER_BASE = ["--dtype", "float32", "--skip-server-warmup"]
+# Each configuration but the shared server's (SHARED_CONFIG) differs from it in what a server is started with.
 CONFIGS = {
     "page128-radix": ["--page-size", "128"],
     "page1-noradix-chunk8-mixed": ["--disable-radix-cache", "--chunked-prefill-size", "8", "--enable-mixed-chunk"],
@@ -78,14 +86,68 @@ CONFIGS = {
     ],
 }
 WINDOWS = {"window1s-page8-chunk8": 1.0}
+SHARED_CONFIG = "page128-radix"
 # An image question with its own system turn: the realtime checkpoint's chat template adds its realtime system
 # prompt to a conversation without one, sglang's "moss-vl" template does not.
 ALONGSIDE = [{"role": "system", "content": "Answer briefly."}, *CASES["image_data_url"]]
 
 
+# The shared server. Its request cap is the session cap: the four reference sessions and an ordinary request beside
+# them fit it, the refusal tests fill it. The API key guards the socket and every HTTP path but /health (the clients
+# here always send it; a server started without a key ignores it). Benchmark mode only lets a session set
+# `benchmark_ignore_eos`.
+API_KEY = "sk-realtime-served"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SESSION_CAP = 5
+SHARED_ARGS = [
+    *(*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096", *CONFIGS[SHARED_CONFIG]),
+    *("--max-running-requests", str(SESSION_CAP), "--api-key", API_KEY),
+]
+
+
 @pytest.fixture(scope="module")
 def checkpoint():
     return build_or_reuse("tiny-realtime")
+
+
+@pytest.fixture(scope="module")
+def shared_server(checkpoint):
+    env = {BENCHMARK_MODE_ENV: "1", FRAME_WINDOW_ENV: ""}  # no frame window, whatever the test that starts it set
+    with SglangServer(
+        checkpoint, extra_args=SHARED_ARGS, name="realtime-shared", env=env, ready_timeout_s=900
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+def keyed_server(shared_server):
+    """The shared server for one test, as a fresh one would be: idle (the sessions an earlier test closed release
+    their KV a moment after their sockets close; CI once saw 384 tokens still held), its radix cache empty, its log
+    (``log_text()``) read from here on."""
+    idle = wait_until_idle(shared_server)
+    assert all(load["num_used_tokens"] == 0 for load in idle), f"KV still held before the test: {idle}"
+    flushed = requests.post(f"{shared_server.base_url}/flush_cache?timeout=60", headers=AUTH, timeout=120)
+    assert flushed.status_code == 200, flushed.text
+    return Lease(shared_server, reused=True, log_offset=shared_server.log_path.stat().st_size)
+
+
+def loads(server) -> list[dict]:
+    """Every rank's ``/v1/loads`` report."""
+    return requests.get(f"{server.base_url}/v1/loads", headers=AUTH, timeout=30).json()["loads"]
+
+
+def wait_until_idle(server, timeout_s: float = 60.0) -> list[dict]:
+    """Every rank's ``/v1/loads`` report once none holds KV (or at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reports = loads(server)
+        if all(load["num_used_tokens"] == 0 for load in reports) or time.monotonic() > deadline:
+            return reports
+        time.sleep(0.2)
+
+
+def keyed_client(server, path=VIDEO_REALTIME_PATH, **handshake) -> RealtimeClient:
+    return RealtimeClient(realtime_url(server.base_url, path), **{"headers": AUTH, **handshake})
 
 
 @pytest.fixture(scope="module")
@@ -106,35 +168,45 @@ async def drive_client(client: RealtimeClient, script) -> None:
     await play(client, script)
 
 
-async def drive(url: str, script) -> RealtimeClient:
-    client = RealtimeClient(url)
+async def drive(server, script) -> RealtimeClient:
+    client = keyed_client(server)
     await drive_client(client, script)
     await client.close()
     return client
 
 
-async def all_sessions(url: str) -> dict:
+async def all_sessions(server) -> dict:
     names = sorted(SCRIPTS)
-    clients = await asyncio.gather(*(drive(url, SCRIPTS[name]) for name in names))
+    clients = await asyncio.gather(*(drive(server, SCRIPTS[name]) for name in names))
     return dict(zip(names, clients))
 
 
+@contextlib.contextmanager
+def four_sessions_server(request, checkpoint, config: str):
+    """The shared server for its configuration; for every other, a server of its own (ranks, graphs, page size,
+    chunking and the frame window are fixed at start-up)."""
+    if config == SHARED_CONFIG:
+        yield request.getfixturevalue("keyed_server")
+        return
+    extra = [*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096", *CONFIGS[config]]
+    with SglangServer(checkpoint, extra_args=extra, name=f"realtime-{config}", ready_timeout_s=900) as server:
+        yield server
+
+
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config, monkeypatch):
+def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config, monkeypatch, request):
     window = WINDOWS.get(config)
     if window is not None:
         monkeypatch.setenv(FRAME_WINDOW_ENV, str(window))
-    extra = [*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096", *CONFIGS[config]]
     graphs = "--enable-torch-compile" in CONFIGS[config]
-    with SglangServer(checkpoint, extra_args=extra, name=f"realtime-{config}", ready_timeout_s=900) as server:
-        url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
-        client, model_name = openai_client(server)
+    with four_sessions_server(request, checkpoint, config) as server:
+        client, model_name = openai_client(server, api_key=API_KEY)
         with ThreadPoolExecutor(max_workers=1) as pool:
             ordinary = pool.submit(served_ids, client, model_name, ALONGSIDE)
-            sessions = asyncio.run(all_sessions(url))
+            sessions = asyncio.run(all_sessions(server))
             ordinary = ordinary.result()
         idle = wait_until_idle(server)
-        log = server.log_path.read_text()
+        log = server_log(server)
     tokenizer = reference["tokenizer"]
     if window is not None:
         assert "left the window" in log
@@ -169,26 +241,16 @@ def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config
         assert steps_the_engine_did_not_extend_alone(log) == []
 
 
-def wait_until_idle(server, timeout_s: float = 60.0) -> list[dict]:
-    """Every rank's ``/v1/loads`` report once none holds KV (or at the timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        loads = requests.get(f"{server.base_url}/v1/loads", timeout=30).json()["loads"]
-        if all(load["num_used_tokens"] == 0 for load in loads) or time.monotonic() > deadline:
-            return loads
-        time.sleep(0.2)
-
-
-async def faults(url: str, script) -> dict:
-    """Three sessions (the cap, every request row kept), a fourth refused; one takes a frame while every row is
+async def faults(server, script) -> dict:
+    """Sessions up to the cap (every request row kept), one more refused; one takes a frame while every row is
     kept; one disconnects right after a frame; one gets bad inputs (a
     `seq_no` gap, a timestamp going back, an unknown event, a malformed frame) between its script's steps and must
     still equal the reference."""
-    keep = [RealtimeClient(url) for _ in range(3)]
+    keep = [keyed_client(server) for _ in range(SESSION_CAP)]
     for client in keep:
         await client.open(max_new_tokens=TURN_LIMIT, temperature=0.0)
         await client.settle()
-    refused = RealtimeClient(url)
+    refused = keyed_client(server)
     refusal = None
     try:
         await refused.open(max_new_tokens=TURN_LIMIT)
@@ -200,7 +262,7 @@ async def faults(url: str, script) -> dict:
     dropped = keep.pop()
     await dropped.frame(noise_image(99), 0.0)
     await dropped.close()  # disconnect while its step runs (or just after)
-    victim, bystander = keep
+    victim, bystander, *parked = keep
     errors = []
     for index, action in enumerate(script):
         if index == 1:
@@ -218,25 +280,22 @@ async def faults(url: str, script) -> dict:
             errors.append(await victim.wait_for("error", start=len(victim.events) - 1))
         seq_no = await victim.frame(noise_image(action[2]), action[1])
         await victim.settle(seq_no)
-    await victim.close()
-    await bystander.close()
+    for client in (victim, bystander, *parked):
+        await client.close()
     return {"refusal": refusal, "errors": errors, "victim": victim, "dropped": dropped}
 
 
-def test_refusal_disconnect_and_bad_inputs(checkpoint, reference):
+def test_refusal_disconnect_and_bad_inputs(keyed_server, reference):
     script = SCRIPTS["six_frames_2fps"]
-    extra = [*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096"]
-    with SglangServer(checkpoint, extra_args=[*extra, "--max-running-requests", "3"], name="realtime-faults") as server:
-        url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
-        result = asyncio.run(faults(url, script))
-        idle = wait_for_load(server, lambda load: load["num_used_tokens"] == 0, timeout_s=60)
-        log = server.log_path.read_text()
+    result = asyncio.run(faults(keyed_server, script))
+    idle = wait_until_idle(keyed_server)
+    log = keyed_server.log_text()
     assert result["refusal"] is not None and "session_capacity_exceeded" in result["refusal"]
     assert [error["code"] for error in result["errors"]] == ["invalid_request"] * 4
     tokens = reference["streams"][None]["six_frames_2fps"]
     assert served_turn_texts(result["victim"]) == turn_texts(reference["tokenizer"], tokens)
-    assert idle["num_used_tokens"] == 0, idle
-    assert log.count("realtime session") >= 3 and "closed:" in log
+    assert all(load["num_used_tokens"] == 0 for load in idle), idle
+    assert log.count("realtime session") >= SESSION_CAP and "closed:" in log
     assert "evicted while parked" not in log, "a step waiting for its own kept row looked like a stalled pool"
 
 
@@ -261,12 +320,13 @@ def test_memory_pressure_aborts_a_session_and_the_others_go_on(checkpoint, refer
     """sglang's retraction switch (`SGLANG_TEST_RETRACT`: a running request loses its KV every few forwards, as
     under memory pressure) hits the sessions' steps: a retracted session ends with an error event and frees its KV;
     a session that completes equals the reference; the server stays up and ends idle."""
+    # A server of its own: stock reads the switch once, when the scheduler starts, and it then retracts whatever runs.
     monkeypatch.setenv("SGLANG_TEST_RETRACT", "1")
     extra = [*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096"]
     with SglangServer(checkpoint, extra_args=extra, name="realtime-retract") as server:
         url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
         sessions = asyncio.run(two_sessions_under_pressure(url))
-        idle = wait_for_load(server, lambda load: load["num_used_tokens"] == 0, timeout_s=60)
+        idle = wait_until_idle(server)
         log = server.log_path.read_text()
     aborted = [name for name, c in sessions.items() if c.count("error")]
     assert "retracted" in log and aborted, "the retraction switch aborted no session"
@@ -278,7 +338,7 @@ def test_memory_pressure_aborts_a_session_and_the_others_go_on(checkpoint, refer
             assert served_turn_texts(client) == turn_texts(reference["tokenizer"], reference["streams"][None][name]), (
                 name
             )
-    assert idle["num_used_tokens"] == 0, idle
+    assert all(load["num_used_tokens"] == 0 for load in idle), idle
 
 
 def long_prompt(words: int) -> str:
@@ -336,6 +396,7 @@ def test_parked_sessions_stalling_the_pool_lose_the_heaviest_and_the_others_go_o
     cannot be admitted while nothing runs would wait for their timeouts. The heaviest parked session is evicted
     (an error event at its next input); the request then runs and equals the reference; the other sessions stay
     exact; the pool ends idle. Page 128."""
+    # A server of its own: a pool small enough that three parked sessions fill most of it.
     extra = [*SERVER_BASE, "--max-total-tokens", "2048", "--context-length", "2048", "--page-size", "128"]
     with SglangServer(checkpoint, extra_args=extra, name="realtime-parked-stall") as server:
         url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
@@ -393,6 +454,8 @@ def test_a_long_stream_holds_only_its_window(checkpoint, long_reference, page, m
     that window, and parked after the last frame it holds its window's vision slots (at page 1 exactly; at page 128
     rounded out to whole pages at both ends) plus its text; without the window the frames alone would need 1500.
     One band per slot on the tiny checkpoint (2 self-attention and 2 cross-attention layers)."""
+    # A server of its own per page size: the frame window is the server's (a session cannot configure one), and the
+    # stream's ~3950 text rows and its window need an 8192-token context (the shared server's tests check its 4096).
     monkeypatch.setenv(FRAME_WINDOW_ENV, str(WINDOW_FRAMES - 0.5))
     extra = [*SERVER_BASE, "--max-total-tokens", "12000", "--context-length", "8192", "--page-size", str(page)]
     with SglangServer(checkpoint, extra_args=extra, name=f"realtime-long-window-page{page}") as server:
@@ -412,37 +475,8 @@ def test_a_long_stream_holds_only_its_window(checkpoint, long_reference, page, m
     assert all(load["num_used_tokens"] == 0 for load in idle), idle
 
 
-# ---- The socket as the real clients expect it (issue 34), on one server: page 128, two sessions, an API key,
-# benchmark mode on. Each check below failed on the socket before its fix.
-
-API_KEY = "sk-realtime-served"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-KEYED_ARGS = [*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096", "--page-size", "128"]
-
-
-@pytest.fixture(scope="module")
-def keyed_server(checkpoint):
-    extra = [*KEYED_ARGS, "--max-running-requests", "2", "--api-key", API_KEY]
-    env = {BENCHMARK_MODE_ENV: "1"}
-    with SglangServer(checkpoint, extra_args=extra, name="realtime-keyed", env=env) as server:
-        yield server
-
-
-def keyed_loads(server) -> list[dict]:
-    return requests.get(f"{server.base_url}/v1/loads", headers=AUTH, timeout=30).json()["loads"]
-
-
-def keyed_idle(server, timeout_s: float = 60.0) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        loads = keyed_loads(server)
-        if all(load["num_used_tokens"] == 0 for load in loads) or time.monotonic() > deadline:
-            return loads
-        time.sleep(0.2)
-
-
-def keyed_client(server, path=VIDEO_REALTIME_PATH, **handshake) -> RealtimeClient:
-    return RealtimeClient(realtime_url(server.base_url, path), **{"headers": AUTH, **handshake})
+# ---- The socket as the real clients expect it (issue 34), on the shared server: page 128, the session cap, an API
+# key, benchmark mode on. Each check below failed on the socket before its fix.
 
 
 async def refused_handshakes(server) -> list:
@@ -475,10 +509,10 @@ def test_the_api_key_guards_the_socket(keyed_server):
     """No key or a wrong one: refused at the handshake (401), no session, nothing held; the right key (a header on
     `/v1/realtime?model=`, or the browser's subprotocol) opens a session."""
     assert asyncio.run(refused_handshakes(keyed_server)) == [401, 401]
-    assert all(load["num_used_tokens"] == 0 for load in keyed_loads(keyed_server))
-    assert "realtime session" not in keyed_server.log_path.read_text()
+    assert all(load["num_used_tokens"] == 0 for load in loads(keyed_server))
+    assert "realtime session" not in keyed_server.log_text()
     assert asyncio.run(keyed_sessions(keyed_server)) == ["session.created", "session.created"]
-    assert all(load["num_used_tokens"] == 0 for load in keyed_idle(keyed_server))
+    assert all(load["num_used_tokens"] == 0 for load in wait_until_idle(keyed_server))
 
 
 async def an_admitted_client(server, timeout_s: float = 60.0) -> RealtimeClient:
@@ -495,21 +529,21 @@ async def an_admitted_client(server, timeout_s: float = 60.0) -> RealtimeClient:
         await asyncio.sleep(0.2)
 
 
-async def a_third_client(server) -> dict:
+async def a_client_past_the_cap(server) -> dict:
     # Not configured: a connection holds its place from the handshake.
-    holders = [await an_admitted_client(server) for _ in range(2)]
-    third = keyed_client(server)
-    first = await third.connect()
-    await asyncio.wait_for(third._reader, 30)
+    holders = [await an_admitted_client(server) for _ in range(SESSION_CAP)]
+    one_more = keyed_client(server)
+    first = await one_more.connect()
+    await asyncio.wait_for(one_more._reader, 30)
     for client in holders:
         await client.close()
-    return {"first": first, "events": [r.event["type"] for r in third.events], "close": third.socket.close_code}
+    return {"first": first, "events": [r.event["type"] for r in one_more.events], "close": one_more.socket.close_code}
 
 
-def test_a_third_client_is_refused_before_session_created(keyed_server):
+def test_a_client_past_the_cap_is_refused_before_session_created(keyed_server):
     """The Demo reads the first event: `session_capacity_exceeded` means busy (retry), anything else marks the
     replica down."""
-    result = asyncio.run(a_third_client(keyed_server))
+    result = asyncio.run(a_client_past_the_cap(keyed_server))
     assert first_event_verdict(result["first"]) == "busy", result
     assert result["events"] == ["error"] and result["close"] == 1013
 
@@ -578,9 +612,9 @@ async def usage_while_parked(server) -> dict:
     await client.open(max_new_tokens=TURN_LIMIT, include_usage=True)
     await client.settle()
     await client.settle(await client.frame(noise_image(31), 0.0))
-    loads = keyed_loads(server)
+    reports = loads(server)
     await client.close()
-    return {"client": client, "loads": loads}
+    return {"client": client, "loads": reports}
 
 
 def test_usage_matches_the_loads(keyed_server):
@@ -721,9 +755,7 @@ def test_a_client_cannot_pose_as_a_realtime_step(keyed_server, checkpoint):
     or not) or a chat completion naming a realtime rid is refused with 400, runs nothing (no step in the
     scheduler's log) and leaves no KV held (`/v1/loads`); the socket's sessions go on."""
     url = keyed_server.base_url
-    # The module's earlier sessions release their KV after their sockets close: start from an idle pool, so the
-    # check below sees only what the refused requests hold.
-    assert all(load["num_used_tokens"] == 0 for load in keyed_idle(keyed_server))
+    # `keyed_server` starts idle: the check below sees only what the refused requests hold.
     responses = [
         requests.post(f"{url}/generate", json=body, headers=AUTH, timeout=120)
         for body in posing_step_bodies(checkpoint)
@@ -731,10 +763,10 @@ def test_a_client_cannot_pose_as_a_realtime_step(keyed_server, checkpoint):
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for rid in ("mossvl-realtime:posing:0", ["mossvl-realtime:posing:1"]):
         responses.append(requests.post(f"{url}/v1/chat/completions", json={**chat, "rid": rid}, headers=AUTH))
-    held = [load["num_used_tokens"] for load in keyed_loads(keyed_server)]
+    held = [load["num_used_tokens"] for load in loads(keyed_server)]
     assert [r.status_code for r in responses] == [400] * 5, [(r.status_code, r.text[:300]) for r in responses]
     assert held == [0] * len(held), f"KV held after the refused requests: {held}"
-    log = keyed_server.log_path.read_text()
+    log = keyed_server.log_text()
     assert "realtime step mossvl-realtime:posing" not in log and "realtime session posing" not in log
     assert asyncio.run(keyed_sessions(keyed_server)) == ["session.created", "session.created"]
-    assert all(load["num_used_tokens"] == 0 for load in keyed_idle(keyed_server))
+    assert all(load["num_used_tokens"] == 0 for load in wait_until_idle(keyed_server))

@@ -221,9 +221,10 @@ PREFILL_LINE = re.compile(
 RETRACTION_LINE = re.compile(r"Testing retraction\. #retracted_reqs: (\d+)")
 
 
-def openai_client(server) -> tuple[OpenAI, str]:
-    """An OpenAI client of ``server`` (no retries) and the name of the model it serves."""
-    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=600)
+def openai_client(server, api_key: str = "not-needed") -> tuple[OpenAI, str]:
+    """An OpenAI client of ``server`` (no retries; ``api_key`` for a server started with ``--api-key``) and the name
+    of the model it serves."""
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key=api_key, max_retries=0, timeout=600)
     return client, client.models.list().data[0].id
 
 
