@@ -58,13 +58,13 @@ def worker_env(device: str, index: int, workers: int, cores: list[int]) -> dict[
     return {}
 
 
-def pd_roles(device: str, args: list[str]) -> list[tuple[str, list[str]]]:
+def pd_roles(device: str, args: list[str], decode_args: list[str] = ()) -> list[tuple[str, list[str]]]:
     """The prefill and the decode worker's arguments: ``args`` plus the role, the prefill's KV bootstrap port and, on
-    CPU when ``args`` names none, the Mooncake TCP transfer backend."""
+    CPU when ``args`` names none, the Mooncake TCP transfer backend; ``decode_args`` for the decode worker only."""
     if device == "cpu" and not any(arg.startswith("--disaggregation-transfer-backend") for arg in args):
         args = [*args, "--disaggregation-transfer-backend", "mooncake_tcp"]
     prefill = [*args, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port())]
-    return [("prefill", prefill), ("decode", [*args, "--disaggregation-mode", "decode"])]
+    return [("prefill", prefill), ("decode", [*args, *decode_args, "--disaggregation-mode", "decode"])]
 
 
 @dataclass
@@ -88,6 +88,7 @@ class Fleet:
     gateway_port: int | None = None
     name: str = "fleet"
     pd: bool = False  # one prefill and one decode worker, smg in PD mode (``workers`` is ignored)
+    decode_args: list[str] = field(default_factory=list)  # with ``pd``: the decode worker's own (decode graphs)
     worker_ready_timeout_s: float = 240.0
     servers: list[SglangServer] = field(default_factory=list, init=False)
     gateway: subprocess.Popen | None = field(default=None, init=False)
@@ -118,7 +119,11 @@ class Fleet:
     def start_workers(self) -> None:
         cores = sorted(os.sched_getaffinity(0))
         args = list(self.worker_args) + (["--api-key", self.api_key] if self.api_key else [])
-        roles = pd_roles(self.device, args) if self.pd else [(f"worker{index}", args) for index in range(self.workers)]
+        roles = (
+            pd_roles(self.device, args, self.decode_args)
+            if self.pd
+            else [(f"worker{index}", args) for index in range(self.workers)]
+        )
         self.servers = [
             SglangServer(
                 self.model_path,

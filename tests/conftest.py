@@ -54,6 +54,7 @@ SERVED_WITHOUT_POOL = {
     "test_serving_kv_layout.py": {"default_layout", "stock_layout"},
     "test_serving_multirank.py": {"served"},
     "test_serving_pd.py": {"aggregated", "pd"},  # an aggregated server, then a prefill and a decode worker behind smg
+    "test_serving_pd_faults.py": {"fleet"},  # a prefill and a decode worker behind smg, page 1; the decode one killed
     "test_serving_pd_startup.py": "*",  # a decode launch_server refused at argument resolution
     "test_serving_pd_layout.py": {"pd"},  # a prefill and a decode worker behind smg (the refusal test uses them)
     "test_serving_realtime.py": {  # an in-process sglang.Engine (run_engine)
@@ -88,6 +89,7 @@ LONGEST_FIRST = [
     "test_fleet.py",  # 138 s
     "test_serving_pd.py",  # 612 s, 554 s of it 3 server starts, beside other helpers (2026-12-07)
     "test_serving_pd_layout.py",  # 1302 s, 1193 s of it 4 server starts, at load 12-20 (2026-12-07)
+    "test_serving_pd_faults.py",  # 1734 s at load 20-75 beside other helpers (2026-12-07): 2 starts and a restart
     "test_serving_kv_layout.py",  # 130 s
     "test_serving.py",  # with test_serving_cache.py: 119 s
     "test_serving_media.py",  # 130 s (one run, 2026-12-05, with its server start: 69 s)
