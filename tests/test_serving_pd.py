@@ -1,14 +1,17 @@
 """Prefill/decode disaggregation as a user runs it: one prefill and one decode worker, KV moved by Mooncake over TCP
 (``mooncake_tcp``, real bytes between two processes), smg in PD mode in front (``serving.fleet --pd``), tiny checkpoint,
-fp32, page 128. One set of servers for the module.
+fp32, page 128 (``test_serving_pd_faults.py`` serves page 1), decode graphs on the decode worker
+(``--enable-torch-compile``, one captured bucket). One set of servers for the module.
 
-Oracle: one aggregated server with the same arguments, run alone before the PD servers start: every answer through
-smg (greedy ids, prompt and output logprobs, a streamed chat) equals its answer, logprobs within the suite's fp32
-summation bound; answers sent together through smg equal the same answers sent alone.
+Oracle: one aggregated server with the same arguments and eager decode, run alone before the PD servers start: every
+answer through smg (greedy ids, prompt and output logprobs, a streamed chat) equals its answer, prompt logprobs
+within the suite's fp32 summation bound, output logprobs within inductor's bound against eager decode (as
+``test_serving_decode_graphs.py``); 16 mixed answers sent together through smg equal the same answers sent alone.
 """
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -26,7 +29,9 @@ from support.serving import (
     chat_logprobs,
     kv_load,
     load_reference,
+    long_case,
     server_log,
+    short_case,
     to_openai,
     wait_for_load,
 )
@@ -43,6 +48,14 @@ PD_CASES = {
     "two_turns": CASES["three_turns"][:3],
 }
 STREAMED = "image"
+# Sent together: every case above, videos and images with questions over several pages, short texts and images.
+MIXED = PD_CASES | {f"long{i}": long_case(i) for i in range(4)} | {f"short{i}": short_case(i) for i in range(7)}
+# The decode worker's decode graphs: stock's CPU graph runner (inductor), one bucket (batches of 1 and 2 replay it).
+DECODE_GRAPHS = ["--enable-torch-compile", "--cuda-graph-bs-decode", "2", "--decode-log-interval", "1"]
+# An output logprob from the compiled decode step against eager decode (test_serving_decode_graphs.py's bound).
+GRAPH_LOGPROB_TOLERANCE = 1e-4
+# Stock's decode log line (scheduler_components/metrics_reporter.py): the batch size and whether the graph ran.
+DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?cpu graph: (True|False)")
 # A server start takes 60-90 s on an idle 2-core machine; with the rest of the suite beside it, over 240 s was seen.
 READY_TIMEOUT_S = 900.0
 # smg probes each worker's /health (a one-token generation) and, by the fleet's default, ejects it after one probe
@@ -62,7 +75,7 @@ def processor(checkpoint):
 
 
 def answers(base_url: str, processor) -> dict:
-    return {name: chat_logprobs(base_url, processor, messages, MAX_TOKENS) for name, messages in PD_CASES.items()}
+    return {name: chat_logprobs(base_url, processor, messages, MAX_TOKENS) for name, messages in MIXED.items()}
 
 
 def streamed_text(base_url: str, model: str, messages: list[dict]) -> str:
@@ -93,6 +106,7 @@ def pd(checkpoint, aggregated):
         checkpoint,
         pd=True,
         worker_args=SERVER_ARGS,
+        decode_args=DECODE_GRAPHS,
         name="test-pd",
         worker_ready_timeout_s=READY_TIMEOUT_S,
         **PATIENT_HEALTH,
@@ -101,14 +115,26 @@ def pd(checkpoint, aggregated):
         yield fleet
 
 
+def first_difference(got: dict, expected: dict) -> dict | None:
+    """Where two answers' outputs part: the position and each side's (token, logprob) there (a near-tie shows as two
+    logprobs within the bounds below)."""
+    for at, (mine, theirs) in enumerate(zip(got["output_ids"], expected["output_ids"])):
+        if mine != theirs:
+            return {
+                "at": at,
+                "got": (mine, got["output_logprobs"][at]),
+                "expected": (theirs, expected["output_logprobs"][at]),
+            }
+    return None
+
+
 def assert_same_answer(got: dict, expected: dict, name: str) -> None:
-    assert got["ids"] == expected["ids"] and got["output_ids"] == expected["output_ids"], name
+    assert got["ids"] == expected["ids"], name
+    assert got["output_ids"] == expected["output_ids"], (name, first_difference(got, expected))
     assert len(got["output_logprobs"]) == MAX_TOKENS and len(got["logprobs"]) == len(expected["logprobs"]), name
-    pairs = list(zip(got["logprobs"], expected["logprobs"])) + list(
-        zip(got["output_logprobs"], expected["output_logprobs"])
-    )
-    gap = max(abs(a - b) for a, b in pairs)
-    assert gap <= FP32_ORDER_TOLERANCE, (name, gap)
+    prompt_gap = max(abs(a - b) for a, b in zip(got["logprobs"], expected["logprobs"]))
+    output_gap = max(abs(a - b) for a, b in zip(got["output_logprobs"], expected["output_logprobs"]))
+    assert prompt_gap <= FP32_ORDER_TOLERANCE and output_gap <= GRAPH_LOGPROB_TOLERANCE, (name, prompt_gap, output_gap)
 
 
 def test_pd_workers_start_with_the_mooncake_tcp_limits_and_a_cpu_retraction_backup(pd):
@@ -119,7 +145,8 @@ def test_pd_workers_start_with_the_mooncake_tcp_limits_and_a_cpu_retraction_back
 
 
 def test_each_answer_through_smg_equals_the_aggregated_servers(pd, processor, aggregated):
-    for name, expected in aggregated["answers"].items():
+    for name in PD_CASES:
+        expected = aggregated["answers"][name]
         assert_same_answer(chat_logprobs(pd.gateway_url, processor, PD_CASES[name], MAX_TOKENS), expected, name)
 
 
@@ -128,12 +155,22 @@ def test_a_streamed_chat_through_smg_equals_the_aggregated_servers(pd, aggregate
     assert streamed_text(url, model_name(url), PD_CASES[STREAMED]) == aggregated["streamed"]
 
 
-def test_answers_sent_together_equal_themselves_alone_and_both_workers_end_idle(pd, processor, aggregated):
-    names = list(PD_CASES)
+def test_sixteen_mixed_answers_sent_together_equal_themselves_alone_and_both_workers_end_idle(
+    pd, processor, aggregated
+):
+    names = list(MIXED)
+    assert len(names) == 16
     with ThreadPoolExecutor(len(names)) as pool:
-        together = list(pool.map(lambda n: chat_logprobs(pd.gateway_url, processor, PD_CASES[n], MAX_TOKENS), names))
+        together = list(pool.map(lambda n: chat_logprobs(pd.gateway_url, processor, MIXED[n], MAX_TOKENS), names))
     for name, got in zip(names, together):
         assert_same_answer(got, aggregated["answers"][name], name)
     for server in pd.servers:
         load = wait_for_load(server, lambda load: load["num_used_tokens"] == 0)
         assert load["num_used_tokens"] == 0, (server.name, load, kv_load(server))
+
+
+def test_the_decode_worker_decodes_through_its_graph(pd):
+    """Stock's own decode log: steps of one and two rows (the captured bucket) ran the graph, larger ones eagerly."""
+    steps = [(int(size), graph == "True") for size, graph in DECODE_LINE.findall(server_log(pd.servers[1]))]
+    assert any(graph for size, graph in steps if size <= 2), steps
+    assert all(graph for size, graph in steps if size <= 2), steps
