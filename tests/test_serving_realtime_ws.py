@@ -49,7 +49,6 @@ from support.realtime_engine_log import steps_the_engine_did_not_extend_alone
 from support.server_pool import Lease
 from support.serving import (
     CASES,
-    kv_load,
     load_reference,
     openai_client,
     reference_ids,
@@ -346,12 +345,14 @@ def long_prompt(words: int) -> str:
     return "Remember: " + "word " * words
 
 
-# Parked sessions that fill most of a 4096-slot pool (2048 stock tokens in the MOSS-VL layout): one with three frames
-# and a prompt, a heavy one and a lighter one holding long prompts.
+# Parked sessions that fill about three quarters of the shared server's 11776-slot pool (6000 stock tokens in the
+# MOSS-VL layout), leaving fewer free slots than its 4096-token context, so that a request can be over them: one with
+# three frames and a prompt, and three holding long prompts, the heavy one the heaviest by a page.
 PARKED_SCRIPTS = {
     "light": SCRIPTS["frames_1fps_then_prompt"],
-    "heavy": (("prompt", long_prompt(1400)), ("frame", 0.0, 21)),
-    "lighter": (("prompt", long_prompt(700)), ("frame", 0.0, 22)),
+    "heavy": (("prompt", long_prompt(2600)), ("frame", 0.0, 21)),
+    "middle": (("prompt", long_prompt(2500)), ("frame", 0.0, 23)),
+    "lighter": (("prompt", long_prompt(2400)), ("frame", 0.0, 22)),
 }
 
 
@@ -368,16 +369,16 @@ def stalling_question(words: int) -> list[dict]:
     return [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": long_prompt(words)}]
 
 
-async def parked_sessions_stall_the_pool(url: str, server) -> dict:
+async def parked_sessions_stall_the_pool(server) -> dict:
     """Each session plays its script but its last action and parks; an OpenAI request that the pool's free slots
     cannot take but would with the heavy session's arrives; then each session plays its last action."""
-    clients = {name: RealtimeClient(url) for name in PARKED_SCRIPTS}
+    clients = {name: keyed_client(server) for name in PARKED_SCRIPTS}
     for name, client in clients.items():
         await drive_client(client, PARKED_SCRIPTS[name][:-1])
-    parked = kv_load(server)
+    parked = loads(server)[0]
     free = parked["max_total_num_tokens"] - parked["num_used_tokens"]
     words = free + 64  # its prompt alone is over the free slots
-    openai, model_name = openai_client(server)
+    openai, model_name = openai_client(server, api_key=API_KEY)
     # Without the eviction it would wait for the sessions' idle timeouts.
     ordinary = await asyncio.to_thread(served_ids, openai, model_name, stalling_question(words), timeout=120)
     errors = {}
@@ -391,18 +392,14 @@ async def parked_sessions_stall_the_pool(url: str, server) -> dict:
     return {"clients": clients, "errors": errors, "parked": parked, "words": words, "ordinary": ordinary}
 
 
-def test_parked_sessions_stalling_the_pool_lose_the_heaviest_and_the_others_go_on(checkpoint, parked_reference):
+def test_parked_sessions_stalling_the_pool_lose_the_heaviest_and_the_others_go_on(keyed_server, parked_reference):
     """Parked sessions hold KV with no request in the scheduler, so retraction cannot reach them: a request that
     cannot be admitted while nothing runs would wait for their timeouts. The heaviest parked session is evicted
     (an error event at its next input); the request then runs and equals the reference; the other sessions stay
     exact; the pool ends idle. Page 128."""
-    # A server of its own: a pool small enough that three parked sessions fill most of it.
-    extra = [*SERVER_BASE, "--max-total-tokens", "2048", "--context-length", "2048", "--page-size", "128"]
-    with SglangServer(checkpoint, extra_args=extra, name="realtime-parked-stall") as server:
-        url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
-        result = asyncio.run(parked_sessions_stall_the_pool(url, server))
-        idle = wait_until_idle(server)
-        log = server.log_path.read_text()
+    result = asyncio.run(parked_sessions_stall_the_pool(keyed_server))
+    idle = wait_until_idle(keyed_server)
+    log = keyed_server.log_text()
     parked = result["parked"]
     assert parked["num_used_tokens"] > parked["max_total_num_tokens"] / 2, parked
     assert log.count("evicted while parked") == 1, "one eviction makes room"
@@ -410,7 +407,7 @@ def test_parked_sessions_stalling_the_pool_lose_the_heaviest_and_the_others_go_o
     assert "evicted under KV memory pressure" in result["errors"]["heavy"][0]["message"]
     assert result["clients"]["heavy"].count("session.done") == 1
     model, processor = parked_reference["model"], parked_reference["processor"]
-    for name in ("light", "lighter"):
+    for name in ("light", "middle", "lighter"):
         expected = turn_texts(processor.tokenizer, parked_reference["streams"][name])
         assert served_turn_texts(result["clients"][name]) == expected, name
     assert (
