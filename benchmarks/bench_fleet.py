@@ -80,7 +80,7 @@ sys.path[:0] = [path for path in (str(REPO_ROOT), str(REPO_ROOT / "tests")) if p
 from benchmarks.bench_realtime import TOLERANCE, noise_frame, percentile  # noqa: E402
 from benchmarks.soak_realtime import kv_tokens, server_rss_mib_by_process  # noqa: E402
 from moss_vl_reference.tiny_checkpoint import build_or_reuse  # noqa: E402
-from serving.fleet import ROUTED_WORKER_HEADER, Fleet  # noqa: E402
+from serving.fleet import PATIENT_HEALTH, ROUTED_WORKER_HEADER, Fleet  # noqa: E402
 from serving.realtime_client import GATEWAY_PATH, RealtimeClient, png_bytes, realtime_url  # noqa: E402
 from support.serving import native_chat_input  # noqa: E402
 from support.videos import write_video  # noqa: E402
@@ -240,14 +240,8 @@ def ejection(fleet: Fleet) -> tuple[float, str]:
 # --pd: chat latency while videos arrive, aggregated vs PD (issue 51 item 7).
 PD_WORKER_ARGS = ["--dtype", "float32", "--page-size", "128", "--disable-radix-cache", "--skip-server-warmup"]
 PD_WORKER_ARGS += ["--max-total-tokens", "16384", "--context-length", "4096"]
-# As tests/test_serving_pd.py: a worker busy with a video prefill on a loaded 2-core machine missed smg's default
-# 15 s probe and was ejected; no worker is killed here, so probe patiently. A worker's start took over 240 s at load 40.
-PATIENT = {
-    "health_interval_s": 5,
-    "health_failure_threshold": 10,
-    "health_timeout_s": 120,
-    "worker_ready_timeout_s": 900,
-}
+# No worker is killed here, so probe patiently (PATIENT_HEALTH). A worker's start took over 240 s at load 40.
+PATIENT = {**PATIENT_HEALTH, "worker_ready_timeout_s": 900}
 
 
 @dataclass

@@ -35,19 +35,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "sglang")]
 from moss_vl_reference.configuration_moss_vl import MossVLTextConfig  # noqa: E402
 from moss_vl_reference.tiny_checkpoint import build_or_reuse  # noqa: E402
 from mossvl_ascend.attention.kv_layout import LAYOUT_ENV, MOSSVL, STOCK, LayerBands, encoder_row_len  # noqa: E402
-from serving.fleet import Fleet  # noqa: E402
+from serving.fleet import PATIENT_HEALTH, Fleet  # noqa: E402
 from support.pd_transfer_bytes import KvBytes, counting_env  # noqa: E402
-from support.serving import CASES, chat_logprobs, load_reference  # noqa: E402
+from support.serving import CASES, chat_logprobs, load_reference, pd_server_args  # noqa: E402
 from support.videos import write_video  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 PAGE = 128
-SERVER_ARGS = ["--dtype", "float32", "--page-size", str(PAGE), "--skip-server-warmup"]
-SERVER_ARGS += ["--max-total-tokens", "8192", "--context-length", "4096"]
-# smg ejects a worker after one health probe over 15 s by default (the fleet's setting); a prefill worker busy with a
-# video on a loaded 2-core machine missed one and the next request got 503 (as tests/test_serving_pd.py saw).
-PATIENT_HEALTH = {"health_interval_s": 5, "health_failure_threshold": 10, "health_timeout_s": 120}
+SERVER_ARGS = pd_server_args(PAGE)
 INSTRUCT_VIDEO = (50_432, 4_048)  # (E, T): 256 frames of 448x448, a 2,000-token question
 
 
@@ -95,8 +91,12 @@ def measure(layout: str, checkpoint: Path, processor, cases: dict, kv_buffers: i
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--video-frames", type=int, default=8)
-    parser.add_argument("--frame-side", type=int, default=256)
+    parser.add_argument(
+        "--video-frames", type=int, default=8, help="frames of the video request, one per second (default: 8)"
+    )
+    parser.add_argument(
+        "--frame-side", type=int, default=256, help="the video's frames are this many pixels square (default: 256)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()

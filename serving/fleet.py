@@ -67,6 +67,12 @@ def pd_roles(device: str, args: list[str], decode_args: list[str] = ()) -> list[
     return [("prefill", prefill), ("decode", [*args, *decode_args, "--disaggregation-mode", "decode"])]
 
 
+# Health settings for workers on a loaded machine: smg ejects a worker after one probe over 15 s by the defaults below,
+# and a PD prefill worker busy with a video on a loaded 2-core machine missed one (the next request got 503). With
+# these a worker is ejected only after minutes of failed probes; the PD tests and benchmarks use them.
+PATIENT_HEALTH = {"health_interval_s": 5, "health_failure_threshold": 10, "health_timeout_s": 120}
+
+
 @dataclass
 class Fleet:
     """Workers plus the gateway in front of them; a context manager that stops every process it started."""

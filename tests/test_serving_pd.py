@@ -19,17 +19,19 @@ import requests
 from openai import OpenAI
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
-from serving.fleet import Fleet
+from serving.fleet import PATIENT_HEALTH, Fleet
 from serving.launch import SglangServer
 from support.serving import (
-    CASES,
     FP32_ORDER_TOLERANCE,
     GREEDY,
     MAX_TOKENS,
+    PD_CASES,
+    PD_READY_TIMEOUT_S,
     chat_logprobs,
     kv_load,
     load_reference,
     long_case,
+    pd_server_args,
     server_log,
     short_case,
     to_openai,
@@ -38,15 +40,7 @@ from support.serving import (
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.random_order(disabled=True)]
 
-SERVER_ARGS = ["--dtype", "float32", "--page-size", "128", "--skip-server-warmup"]
-SERVER_ARGS += ["--max-total-tokens", "8192", "--context-length", "4096"]
-PD_CASES = {
-    "image": CASES["image_data_url"],
-    "two_images": CASES["two_images"],
-    "video": CASES["video"],
-    "text_only": CASES["text_only"],
-    "two_turns": CASES["three_turns"][:3],
-}
+SERVER_ARGS = pd_server_args(128)
 STREAMED = "image"
 # Sent together: every case above, videos and images with questions over several pages, short texts and images.
 MIXED = PD_CASES | {f"long{i}": long_case(i) for i in range(4)} | {f"short{i}": short_case(i) for i in range(7)}
@@ -56,12 +50,6 @@ DECODE_GRAPHS = ["--enable-torch-compile", "--cuda-graph-bs-decode", "2", "--dec
 GRAPH_LOGPROB_TOLERANCE = 1e-4
 # Stock's decode log line (scheduler_components/metrics_reporter.py): the batch size and whether the graph ran.
 DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?cpu graph: (True|False)")
-# A server start takes 60-90 s on an idle 2-core machine; with the rest of the suite beside it, over 240 s was seen.
-READY_TIMEOUT_S = 900.0
-# smg probes each worker's /health (a one-token generation) and, by the fleet's default, ejects it after one probe
-# over 15 s: a prefill worker busy with a video on a loaded machine missed one and the next request got 503. Here a
-# worker is ejected only after minutes of failed probes (no test here kills one).
-PATIENT_HEALTH = {"health_interval_s": 5, "health_failure_threshold": 10, "health_timeout_s": 120}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +82,7 @@ def model_name(base_url: str) -> str:
 def aggregated(checkpoint, processor):
     """One server doing both jobs, alone on the machine; stopped before the PD servers start."""
     with SglangServer(
-        checkpoint, extra_args=SERVER_ARGS, name="pd-aggregated", ready_timeout_s=READY_TIMEOUT_S
+        checkpoint, extra_args=SERVER_ARGS, name="pd-aggregated", ready_timeout_s=PD_READY_TIMEOUT_S
     ) as server:
         url = server.base_url
         return {"answers": answers(url, processor), "streamed": streamed_text(url, model_name(url), PD_CASES[STREAMED])}
@@ -108,7 +96,7 @@ def pd(checkpoint, aggregated):
         worker_args=SERVER_ARGS,
         decode_args=DECODE_GRAPHS,
         name="test-pd",
-        worker_ready_timeout_s=READY_TIMEOUT_S,
+        worker_ready_timeout_s=PD_READY_TIMEOUT_S,
         **PATIENT_HEALTH,
     )
     with fleet:

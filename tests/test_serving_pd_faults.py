@@ -22,27 +22,27 @@ import pytest
 import requests
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
-from serving.fleet import Fleet
+from serving.fleet import PATIENT_HEALTH, Fleet
 from serving.realtime_client import RealtimeClient, realtime_url
-from support.serving import CASES, MAX_TOKENS, chat_logprobs, kv_load, load_reference, native_chat_input, reference_ids
+from support.serving import (
+    MAX_TOKENS,
+    PD_CASES,
+    PD_READY_TIMEOUT_S,
+    chat_logprobs,
+    kv_load,
+    load_reference,
+    native_chat_input,
+    pd_server_args,
+    reference_ids,
+)
 
 pytestmark = [pytest.mark.timeout(2400), pytest.mark.random_order(disabled=True)]
 
-SERVER_ARGS = ["--dtype", "float32", "--page-size", "1", "--skip-server-warmup"]
-SERVER_ARGS += ["--max-total-tokens", "8192", "--context-length", "4096"]
-PAGE_ONE_CASES = {
-    "image": CASES["image_data_url"],
-    "two_images": CASES["two_images"],
-    "video": CASES["video"],
-    "text_only": CASES["text_only"],
-    "two_turns": CASES["three_turns"][:3],
-}
+SERVER_ARGS = pd_server_args(1)
 # The request in flight when a fault is injected: a video, whose prefill (vision tower and extend) keeps its KV
 # transfer pending longest; many tokens, so it is still decoding if the fault comes late.
 FAULTED = "video"
 FAULTED_TOKENS = 400
-READY_TIMEOUT_S = 900.0
-PATIENT_HEALTH = {"health_interval_s": 5, "health_failure_threshold": 10, "health_timeout_s": 120}
 # How soon after the fault each worker must report idle (no KV slot in use, nothing running or queued). Before any
 # test, on the 2-core machine at load 10: a cold prefill worker was idle 45 s after the decode worker's kill (its first
 # video forward compiled stock's rotary kernel meanwhile); what each test measured is printed and in docs/scale-out.md.
@@ -65,7 +65,7 @@ def processor(checkpoint):
 def reference(checkpoint):
     """The reference model's greedy tokens for every case, computed before the fleet starts (no server running)."""
     model, processor = load_reference(checkpoint)
-    return {name: reference_ids(model, processor, messages)[1] for name, messages in PAGE_ONE_CASES.items()}
+    return {name: reference_ids(model, processor, messages)[1] for name, messages in PD_CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def fleet(checkpoint, reference):
         pd=True,
         worker_args=SERVER_ARGS,
         name="test-pd-faults",
-        worker_ready_timeout_s=READY_TIMEOUT_S,
+        worker_ready_timeout_s=PD_READY_TIMEOUT_S,
         **PATIENT_HEALTH,
     )
     with pd:
@@ -118,7 +118,7 @@ def generate_body(processor, messages: list[dict], max_new_tokens: int, stream: 
 
 
 def test_page_one_answers_through_smg_equal_the_reference_model(fleet, processor, reference):
-    for name, messages in PAGE_ONE_CASES.items():
+    for name, messages in PD_CASES.items():
         assert chat_logprobs(fleet.gateway_url, processor, messages, MAX_TOKENS)["output_ids"] == reference[name], name
 
 
@@ -143,7 +143,7 @@ def test_a_client_that_closes_its_stream_mid_transfer_frees_both_workers(fleet, 
     """The client sends a streamed request on a plain socket and closes it while the KV is in transfer (whether or
     not smg has sent the answer's headers yet)."""
     prefill, decode = fleet.servers
-    body = json.dumps(generate_body(processor, PAGE_ONE_CASES[FAULTED], FAULTED_TOKENS, stream=True)).encode()
+    body = json.dumps(generate_body(processor, PD_CASES[FAULTED], FAULTED_TOKENS, stream=True)).encode()
     head = "POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     head += f"Content-Length: {len(body)}\r\n\r\n"
     with socket.create_connection(("127.0.0.1", fleet.gateway_port), timeout=CLIENT_TIMEOUT_S) as connection:
@@ -152,7 +152,7 @@ def test_a_client_that_closes_its_stream_mid_transfer_frees_both_workers(fleet, 
     closed_at = time.monotonic()
     freed = {server.name: seconds_until_idle(server, closed_at, IDLE_BOUND_S) for server in fleet.servers}
     print(f"client abort mid-transfer (decode held {in_transfer['num_used_tokens']} slots): idle after {freed}")
-    text = PAGE_ONE_CASES["text_only"]
+    text = PD_CASES["text_only"]
     assert chat_logprobs(fleet.gateway_url, processor, text, MAX_TOKENS)["output_ids"] == reference["text_only"]
 
 
@@ -160,7 +160,7 @@ def test_the_decode_worker_killed_mid_transfer_fails_the_request_frees_the_prefi
     fleet, processor, reference
 ):
     prefill, decode = fleet.servers
-    body = generate_body(processor, PAGE_ONE_CASES[FAULTED], FAULTED_TOKENS)
+    body = generate_body(processor, PD_CASES[FAULTED], FAULTED_TOKENS)
     answered = {}
 
     def generate():
@@ -185,9 +185,9 @@ def test_the_decode_worker_killed_mid_transfer_fails_the_request_frees_the_prefi
           f"prefill idle after {prefill_idle_s:.1f} s")  # fmt: skip
 
     decode.start(port_attempts=1)  # the same port, which smg has on its command line
-    fleet.wait_routable(timeout_s=READY_TIMEOUT_S)
+    fleet.wait_routable(timeout_s=PD_READY_TIMEOUT_S)
     for name in ("text_only", FAULTED):
-        answer = chat_logprobs(fleet.gateway_url, processor, PAGE_ONE_CASES[name], MAX_TOKENS)
+        answer = chat_logprobs(fleet.gateway_url, processor, PD_CASES[name], MAX_TOKENS)
         assert answer["output_ids"] == reference[name], name
     for server in fleet.servers:
         assert is_idle(kv_load(server)), server.name

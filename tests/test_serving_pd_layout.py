@@ -27,33 +27,32 @@ import pytest
 import requests
 
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
-from serving.fleet import Fleet, pd_roles
+from serving.fleet import PATIENT_HEALTH, Fleet, pd_roles
 from serving.launch import SglangServer
 from support.pd_transfer_bytes import KvBytes, counting_env
 from support.serving import (
     CASES,
     FP32_ORDER_TOLERANCE,
     MAX_TOKENS,
+    PD_READY_TIMEOUT_S,
     chat_logprobs,
     load_reference,
     native_chat_input,
+    pd_server_args,
     server_log,
 )
 from support.videos import write_video
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.random_order(disabled=True)]
 
-SERVER_ARGS = ["--dtype", "float32", "--page-size", "128", "--skip-server-warmup"]
-SERVER_ARGS += ["--max-total-tokens", "8192", "--context-length", "4096"]
 PAGE = 128
+SERVER_ARGS = pd_server_args(PAGE)
 LAYERS, CROSS, BANDS = 8, 2, 3
 ROW_BYTES = 2 * 32 * 4
 VIDEO_FRAMES, VIDEO_SIDE = 8, 256
 VISION_TOKENS = VIDEO_FRAMES * ((VIDEO_SIDE // 16) ** 2 // 4 + 1)
 assert VISION_TOKENS == 520
 KV_BUFFERS = 2 * CROSS * BANDS
-READY_TIMEOUT_S = 900.0
-PATIENT_HEALTH = {"health_interval_s": 5, "health_failure_threshold": 10, "health_timeout_s": 120}
 SLOTS_LINE = re.compile(r"MOSS-VL KV layout: the stock pool's bytes \(\d+ tokens x \d+ layers\) hold (\d+) slots")
 PD_LINE = "PD KV transfer: MOSS-VL KV layout mossvl (3 bands x 2 cross-attention layers of 8), page 128, float32 KV"
 REFUSAL = re.compile(r"PD peers disagree on the KV they exchange: the prefill server at \S+ has \[(.*?)\], this decode")
@@ -103,7 +102,7 @@ def pd(checkpoint, aggregated, counted):
         pd=True,
         worker_args=SERVER_ARGS,
         name="test-pd-layout",
-        worker_ready_timeout_s=READY_TIMEOUT_S,
+        worker_ready_timeout_s=PD_READY_TIMEOUT_S,
         **PATIENT_HEALTH,
     )
     with fleet:
@@ -173,7 +172,7 @@ def test_a_stock_decode_worker_refuses_the_layouts_prefill_in_one_line(pd, check
         checkpoint,
         extra_args=decode_args,
         name="pd-layout-stock-decode",
-        ready_timeout_s=READY_TIMEOUT_S,
+        ready_timeout_s=PD_READY_TIMEOUT_S,
         env={"MOSSVL_KV_LAYOUT": "stock"},
     ) as decode:
         assert "PD KV transfer: MOSS-VL KV layout stock, page 128" in server_log(decode)

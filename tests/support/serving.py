@@ -125,6 +125,28 @@ def short_case(i: int) -> list[dict]:
     return [image("square_64.png", f"Short look {i}?")]
 
 
+# The cases a PD fleet answers one at a time (tests/test_serving_pd*.py).
+PD_CASES = {
+    "image": CASES["image_data_url"],
+    "two_images": CASES["two_images"],
+    "video": CASES["video"],
+    "text_only": CASES["text_only"],
+    "two_turns": CASES["three_turns"][:3],
+}
+# A PD worker's start on the 2-core machine: 60-90 s idle; beside the rest of the suite, over 240 s was seen.
+PD_READY_TIMEOUT_S = 900.0
+
+
+def pd_server_args(page_size: int) -> list[str]:
+    """The PD tests' worker (and aggregated oracle) arguments: fp32, the given page size, 8192 slots, 4096 context."""
+    return ["--dtype", "float32", "--page-size", str(page_size), "--skip-server-warmup"] + [
+        "--max-total-tokens",
+        "8192",
+        "--context-length",
+        "4096",
+    ]
+
+
 def to_openai(messages: list[dict]) -> list[dict]:
     """Reference-form messages -> OpenAI chat messages with media inlined as data URLs."""
     converted = []
