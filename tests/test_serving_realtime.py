@@ -121,7 +121,7 @@ class _Manager:
 
         self.model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=["MossVLForConditionalGeneration"]))
         self.context_len = context_len
-        self.server_args = SimpleNamespace(max_running_requests=max_running_requests)
+        self.server_args = SimpleNamespace(max_running_requests=max_running_requests, disaggregation_mode="null")
 
 
 @pytest.mark.parametrize(
