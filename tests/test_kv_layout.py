@@ -50,6 +50,7 @@ from mossvl_ascend.attention.kv_layout import (
 from mossvl_ascend.attention.metadata import ForwardAttentionMetadata
 from mossvl_ascend.patches import kv_pool
 from mossvl_ascend.patches.kv_pool import shape_pool
+from support.kv_pool_rows import allocate_rows, rows_of
 
 GB = 1 << 30
 
@@ -120,11 +121,6 @@ def distinct_storage_bytes(pool) -> int:
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
-
-
-def rows_of(buffer: torch.Tensor) -> torch.Tensor:
-    """A layer buffer as ``[rows, heads, dim]`` (the NPU pool keeps ``[pages, page, heads, dim]``)."""
-    return buffer.view(-1, *buffer.shape[-2:])
 
 
 @pytest.fixture(scope="module")
@@ -229,26 +225,6 @@ def unit_addresses(encoder_slots: list[int], vision_tokens: int, slots: int, pag
     """Hand-written: band t // R of encoder slot t % R, a band being slots + page rows of the flat storage."""
     row_len = len(encoder_slots)
     return [(t // row_len) * (slots + page) + encoder_slots[t % row_len] for t in range(vision_tokens)]
-
-
-def allocate_rows(lengths: list[int], slots: int, page: int, seed: int) -> list[list[int]]:
-    """Slot rows as sglang's allocators hand them out: page 1, shuffled slots 1..slots; page > 1, shuffled whole
-    pages 1..slots/page, each row from the start of its first page (encoder and text share the page between)."""
-    gen = torch.Generator().manual_seed(seed)
-    if page == 1:
-        free = (torch.randperm(slots, generator=gen) + 1).tolist()
-        assert sum(lengths) <= len(free)
-        rows, start = [], 0
-        for n in lengths:
-            rows.append(free[start : start + n])
-            start += n
-        return rows
-    free_pages = (torch.randperm(slots // page, generator=gen) + 1).tolist()
-    rows = []
-    for n in lengths:
-        pages = [free_pages.pop() for _ in range(-(-n // page))]
-        rows.append([p * page + i for p in pages for i in range(page)][:n])
-    return rows
 
 
 # ----------------------------------------------------------------------------- (b) isolation

@@ -43,6 +43,7 @@ from mossvl_ascend.patches.pd_kv_transfer import (
     refuse_a_prefill_that_disagrees,
     shaped_storage_to_the_transfer,
 )
+from support.kv_pool_rows import allocate_rows, rows_of
 
 KV_HEADS, DIM = 2, 8
 # (decoder layers, cross-attention layer ids): the tiny checkpoint's pattern and one whose last band is half used.
@@ -96,23 +97,6 @@ def description(pool) -> tuple[list[int], list[int], list[int]]:
     return shaped_storage_to_the_transfer(type(pool).get_contiguous_buf_infos, pool)
 
 
-def rows_of(buffer: torch.Tensor) -> torch.Tensor:
-    """A layer buffer as ``[rows, heads, dim]`` (the Ascend pool keeps ``[pages, page, heads, dim]``)."""
-    return buffer.view(-1, *buffer.shape[-2:])
-
-
-def slot_rows(lengths: list[int], slots: int, page: int, seed: int) -> list[list[int]]:
-    """Slot rows as sglang's allocators hand them out: shuffled whole pages (slot 0's page is the padding), each row
-    from the start of its first page."""
-    gen = torch.Generator().manual_seed(seed)
-    free_pages = (torch.randperm(slots // page, generator=gen) + 1).tolist()
-    rows = []
-    for n in lengths:
-        pages = [free_pages.pop() for _ in range(-(-n // page))]
-        rows.append([p * page + i for p in pages for i in range(page)][:n])
-    return rows
-
-
 def kv_addresses(bands: LayerBands, slots: int, page: int, row: list[int], vision_tokens: int) -> dict[int, list]:
     """Per decoder layer, the rows of its view holding the request's tokens, from the layout's addressing: a cross
     layer's vision token t at band t // R of encoder slot t % R (a band being slots + page rows), a self layer's text
@@ -128,7 +112,7 @@ def written_requests(bands: LayerBands, slots: int, page: int, pool, seed: int) 
     lengths = [encoder_row_len(e, bands.bands) + t for e, t in REQUESTS]
     gen = torch.Generator().manual_seed(seed)
     requests = []
-    for (vision_tokens, _), row in zip(REQUESTS, slot_rows(lengths, slots, page, seed)):
+    for (vision_tokens, _), row in zip(REQUESTS, allocate_rows(lengths, slots, page, seed)):
         addresses = kv_addresses(bands, slots, page, row, vision_tokens)
         values = {}
         for layer_id, loc in addresses.items():
@@ -202,7 +186,7 @@ def test_a_request_moved_by_the_description_reads_back_layer_by_layer(name, kind
     for layer_id in range(bands.num_layers):
         decode.get_key_buffer(layer_id).fill_(marker)
         decode.get_value_buffer(layer_id).fill_(marker)
-    decode_rows = slot_rows(lengths, slots, page, seed=11)  # the decode server's own slots for each request
+    decode_rows = allocate_rows(lengths, slots, page, seed=11)  # the decode server's own slots for each request
     assert decode_rows != [r["row"] for r in sent]
 
     row_bytes = KV_HEADS * DIM * dtype.itemsize
