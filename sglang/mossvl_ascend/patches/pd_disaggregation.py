@@ -132,11 +132,15 @@ def send_cached_prefixes_with_the_rest() -> None:
     """Off CUDA a prefill server sends a request's radix-cached prefix with the rest of its KV, not ahead of its
     forward: stock's early send records a ``torch.cuda.Event`` on the forward stream ("expected stream to be a
     torch.Stream or torch.cuda.Stream object" on CPU, the scheduler dead). Refused, one line, if the user set it."""
-    chosen = os.environ.get(EARLY_SEND_ENV)
-    if chosen is not None and chosen.strip().lower() in ("true", "1", "yes", "y"):  # stock's EnvBool
+    from sglang.srt.environ import envs
+
+    # Read as stock reads it (its EnvBool: unset means on, an unparsable value falls back to on).
+    early_send = envs.SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX
+    if early_send.is_set() and early_send.get():
         raise ValueError(
-            f"{EARLY_SEND_ENV}={chosen} cannot run on a PD prefill server off CUDA: its early send records a "
-            "torch.cuda.Event on the forward stream; unset it (the prefix then goes with the rest of the KV)."
+            f"{EARLY_SEND_ENV}={os.environ[EARLY_SEND_ENV]} cannot run on a PD prefill server off CUDA: its early "
+            "send records a torch.cuda.Event on the forward stream; unset it (the prefix then goes with the rest of "
+            "the KV)."
         )
     os.environ[EARLY_SEND_ENV] = "0"
     logger.info("PD prefill off CUDA: %s=0 (a cached prefix goes with the rest of the KV).", EARLY_SEND_ENV)
