@@ -18,7 +18,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 import mossvl_ascend
 from fake_torch_npu import installed_fake_torch_npu
 from mossvl_ascend.catalog import render_catalog
-from mossvl_ascend.registry import CPU, IMPORT_FALLBACK, NPU, all_patches, all_verified, apply_patches, patch_modules
+from mossvl_ascend.registry import AT_LOAD, CPU, NPU, all_patches, all_verified, apply_patches, patch_modules
 from support.hooks import patches_applied
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -48,8 +48,8 @@ def test_record_is_complete_and_targets_exist_in_sglang(patch):
     for field in ("title", "why", "how", "upstream", "remove_when"):
         assert getattr(patch, field).strip(), f"{patch.target}: empty {field}"
     assert patch.platforms and patch.platforms <= {NPU, CPU}, "patches never apply on CUDA/GPU hosts"
-    if patch.kind == IMPORT_FALLBACK:
-        return  # the target is the missing kernel module itself
+    if patch.kind == AT_LOAD and patch.target.startswith("sgl_kernel_npu."):
+        return  # an import fallback: its target is the kernel module absent here
     with installed_fake_torch_npu():  # the Ascend backend module imports only with (a stand-in for) torch_npu
         owner_path, attr = patch.target.rsplit(".", 1)
         owner = pkgutil.resolve_name(owner_path)
@@ -77,7 +77,7 @@ def test_nothing_is_applied_on_a_gpu_host():
 
 
 def test_cpu_and_npu_platforms_apply_their_records():
-    hook_patches = [p for p in all_patches() if p.kind != IMPORT_FALLBACK and p.requires_module is None]
+    hook_patches = [p for p in all_patches() if p.kind != AT_LOAD and p.requires_module is None]
     with patches_applied():
         applied = apply_patches(CPU, hook_patches)
         assert applied == [p for p in hook_patches if CPU in p.platforms]

@@ -19,18 +19,35 @@ from support.together import started_together
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# Besides what the plugin registered: every object a hook replaced (recorded as stock's ``_apply_target`` resolves
+# it), and the module attributes that still hold one after the load (stock's propagation leaves none).
 PROBE = r"""
-import json, logging
+import json, logging, pkgutil, sys, types
 logging.basicConfig(level=logging.INFO)
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
+replaced = []
+stock_apply_target = HookRegistry.__dict__["_apply_target"].__func__
+def recording_apply_target(cls, target, hooks):
+    owner_path, attr = target.rsplit(".", 1)
+    owner = pkgutil.resolve_name(owner_path)
+    raw = owner.__dict__.get(attr) if isinstance(owner, type) else None
+    replaced.append((target, raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else getattr(owner, attr)))
+    return stock_apply_target(cls, target, hooks)
+HookRegistry._apply_target = classmethod(recording_apply_target)
 load_plugins()
 ours = sorted(
     t for t, hooks in HookRegistry._hooks.items() if any(s and s.plugin_name == "mossvl_ascend" for _, _, s in hooks)
 )
+replaced_ids = {id(obj) for _, obj in replaced}
+stale = sorted(
+    f"{module.__name__}.{name}"
+    for module in list(sys.modules.values()) if isinstance(module, types.ModuleType)
+    for name, value in list(getattr(module, "__dict__", {}).items()) if id(value) in replaced_ids
+)
 import mossvl_ascend
 print("PROBE" + json.dumps({"ours": ours, "unapplied": [t for t in ours if t not in HookRegistry._patched],
-                            "modules": list(mossvl_ascend.PATCH_MODULES)}))
+                            "modules": list(mossvl_ascend.PATCH_MODULES), "replaced": [t for t, _ in replaced], "stale": stale}))
 """
 
 
@@ -67,9 +84,9 @@ def test_entry_point_is_registered():
 
 def cpu_hook_patches():
     """The catalog's hook patches for the CPU platform that need no extra module (no torch_npu here)."""
-    from mossvl_ascend.registry import CPU, IMPORT_FALLBACK, all_patches
+    from mossvl_ascend.registry import AT_LOAD, CPU, all_patches
 
-    return [p for p in all_patches() if CPU in p.platforms and p.kind != IMPORT_FALLBACK and p.requires_module is None]
+    return [p for p in all_patches() if CPU in p.platforms and p.kind != AT_LOAD and p.requires_module is None]
 
 
 def test_load_plugins_applies_exactly_the_catalog_hooks_for_cpu(probes):
@@ -81,6 +98,15 @@ def test_load_plugins_applies_exactly_the_catalog_hooks_for_cpu(probes):
     assert report["ours"] == sorted({p.target for p in expected})
     for patch in expected:  # one log line per applied patch
         assert f"mossvl_ascend: {patch.title}: {patch.kind.value} hook on {patch.target}" in log
+
+
+def test_after_the_load_no_module_holds_an_object_a_hook_replaced(probes):
+    """The plugin indexes stock's propagation (``patches/hook_propagation.py``): every ``from X import f`` copy of a
+    hooked target is rebound all the same, checked by one walk of every module attribute after the load."""
+    report, log = probes["cpu"].result()
+    assert "HookRegistry.apply_hooks changed at plugin load" in log
+    assert set(report["ours"]) <= set(report["replaced"])
+    assert report["stale"] == []
 
 
 def test_sglang_plugins_whitelist_excludes_us(probes):

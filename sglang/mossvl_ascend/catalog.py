@@ -6,7 +6,7 @@ the committed file differs, so the catalog cannot drift from the code.
 
 from __future__ import annotations
 
-from mossvl_ascend.registry import IMPORT_FALLBACK, Patch, Verified, patch_modules
+from mossvl_ascend.registry import AT_LOAD, Patch, Verified, patch_modules
 
 HEADER = """\
 # Patch catalog (generated)
@@ -19,7 +19,7 @@ no longer needs. Generated from the `PATCHES` / `VERIFIED` records of the patch 
 
 
 def _kind(patch: Patch) -> str:
-    return "sys.modules fallback" if patch.kind == IMPORT_FALLBACK else f"{patch.kind.value} hook"
+    return "change made at plugin load" if patch.kind == AT_LOAD else f"{patch.kind.value} hook"
 
 
 def render_patch(patch: Patch) -> str:

@@ -15,6 +15,7 @@ PLUGIN_NAME = "mossvl_ascend"
 
 # The modules of mossvl_ascend.patches, one per patched sglang area, in the order their patches are applied.
 PATCH_MODULES: tuple[str, ...] = (
+    "hook_propagation",
     "npu_imports",
     "npu_guards",
     "server_args",
@@ -48,9 +49,10 @@ PATCH_MODULES: tuple[str, ...] = (
     "rank_report",
 )
 
-# A patch that is not a HookRegistry hook: its ``hook`` is called once at plugin load to put a module into
-# ``sys.modules`` before sglang imports it (an import fails before there is any attribute to wrap).
-IMPORT_FALLBACK = "import-fallback"
+# A patch that is not a HookRegistry hook: its ``hook`` is called once at plugin load, before sglang applies the hooks,
+# and returns True when it changed something: a module put into ``sys.modules`` before sglang imports it (an import
+# fails before there is any attribute to wrap), or a change to the hook machinery itself.
+AT_LOAD = "at-load"
 
 # Platforms a patch can apply on. CUDA (and every other GPU) is never listed: there sglang runs exactly as stock.
 NPU, CPU = "npu", "cpu"
@@ -62,9 +64,9 @@ class Patch:
     """One change to stock sglang 0.5.23."""
 
     title: str
-    target: str  # dotted path of what is wrapped (or, for IMPORT_FALLBACK, the module name that is provided)
-    kind: Union[HookType, str]  # a HookType, or IMPORT_FALLBACK
-    hook: Callable  # the HookRegistry hook; for IMPORT_FALLBACK an installer returning True when it installed
+    target: str  # dotted path of what is wrapped (for AT_LOAD, what the load-time change provides or wraps)
+    kind: Union[HookType, str]  # a HookType, or AT_LOAD
+    hook: Callable  # the HookRegistry hook; for AT_LOAD a function called once at load, True when it changed something
     platforms: frozenset  # subset of {NPU, CPU}
     why: str
     how: str

@@ -16,7 +16,7 @@ from typing import Iterable
 
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from mossvl_ascend.patch_record import CPU, IMPORT_FALLBACK, NPU, PATCH_MODULES, Patch, Verified
+from mossvl_ascend.patch_record import AT_LOAD, CPU, NPU, PATCH_MODULES, Patch, Verified
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +62,10 @@ def patches_for(platform: str, patches: Iterable[Patch]) -> list[Patch]:
 
 
 def apply_patch(patch: Patch) -> None:
-    """Register one patch with sglang's HookRegistry (or run its import fallback) and log it."""
-    if patch.kind == IMPORT_FALLBACK:
+    """Register one patch with sglang's HookRegistry (or make its load-time change) and log it."""
+    if patch.kind == AT_LOAD:
         if patch.hook():
-            logger.info("mossvl_ascend: %s: %s provided by the plugin", patch.title, patch.target)
+            logger.info("mossvl_ascend: %s: %s changed at plugin load", patch.title, patch.target)
         return
     HookRegistry.register(patch.target, patch.hook, patch.kind)
     logger.info("mossvl_ascend: %s: %s hook on %s", patch.title, patch.kind.value, patch.target)

@@ -14,7 +14,7 @@ import sys
 
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from mossvl_ascend.registry import CPU, IMPORT_FALLBACK, Patch, all_patches, apply_patch, patches_for
+from mossvl_ascend.registry import AT_LOAD, CPU, Patch, all_patches, apply_patch, patches_for
 
 
 def _owner_and_attr(target: str):
@@ -73,8 +73,8 @@ def _registry_restored_after():
 @contextlib.contextmanager
 def patches_applied(*patches: Patch):
     """Apply these hook patches (platform checks are the caller's business); restore everything on exit."""
-    if any(p.kind == IMPORT_FALLBACK for p in patches):
-        raise ValueError("import fallbacks change sys.modules; test them in a subprocess")
+    if any(p.kind == AT_LOAD for p in patches):
+        raise ValueError("load-time changes (sys.modules, the hook machinery) are tested in a subprocess")
     with _registry_restored_after():
         HookRegistry.reset()
         for patch in patches:
@@ -92,16 +92,19 @@ def patches_applied(*patches: Patch):
 def sglang_restored_after_an_in_process_engine():
     """For a test that starts ``sglang.Engine`` in the test process: the engine's plugin loader applies every CPU
     patch to this process's sglang for good (and marks the plugin loaded), so a later test of stock behaviour in the
-    same process would see the plugin's hooks. On exit every hooked attribute and the loader's flag are put back; the
-    next in-process engine loads the plugin afresh."""
+    same process would see the plugin's hooks. On exit every hooked attribute, stock's ``apply_hooks`` (the plugin
+    indexes its propagation at load) and the loader's flag are put back; the next in-process engine loads the plugin
+    afresh."""
     import sglang.srt.plugins as plugin_loader
 
-    targets = [p.target for p in patches_for(CPU, all_patches()) if p.kind != IMPORT_FALLBACK]
+    targets = [p.target for p in patches_for(CPU, all_patches()) if p.kind != AT_LOAD]
     loaded = plugin_loader._plugins_loaded
+    stock_apply_hooks = HookRegistry.__dict__["apply_hooks"]
     with _registry_restored_after():
         originals = _saved_originals(targets)
         try:
             yield
         finally:
             _put_back(originals)
+            HookRegistry.apply_hooks = stock_apply_hooks
             plugin_loader._plugins_loaded = loaded

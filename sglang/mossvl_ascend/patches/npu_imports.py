@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from mossvl_ascend.patch_record import IMPORT_FALLBACK, NPU, Patch
+from mossvl_ascend.patch_record import AT_LOAD, NPU, Patch
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ PATCHES = (
     Patch(
         title="Pure-torch split_qkv_rmsnorm_rope when sgl_kernel_npu is incomplete",
         target=KERNEL_MODULE,
-        kind=IMPORT_FALLBACK,
+        kind=AT_LOAD,
         hook=install_fallback_if_kernel_missing,
         platforms=frozenset({NPU}),
         why=(
