@@ -53,10 +53,9 @@ SERVED_WITHOUT_POOL = {
     "test_serving_bf16.py": {"served"},
     "test_serving_kv_layout.py": {"default_layout", "stock_layout"},
     "test_serving_multirank.py": {"served"},
-    "test_serving_pd.py": {"aggregated", "pd"},  # an aggregated server, then a prefill and a decode worker behind smg
+    "test_serving_pd.py": {"aggregated", "pd"},  # an aggregated server, then a PD pair behind smg (+1 stock decode)
     "test_serving_pd_faults.py": {"fleet"},  # a prefill and a decode worker behind smg, page 1; the decode one killed
     "test_serving_pd_startup.py": "*",  # a decode launch_server refused at argument resolution
-    "test_serving_pd_layout.py": {"pd"},  # a prefill and a decode worker behind smg (the refusal test uses them)
     "test_serving_realtime.py": {  # an in-process sglang.Engine (run_engine)
         "test_one_session_equals_the_reference_stream",
         "test_a_windowed_session_equals_the_reference_log_probabilities",
@@ -83,12 +82,11 @@ LONGEST_FIRST = [
     "test_serving_paged.py",  # with test_serving_chunked.py: 561 s
     "test_serving_realtime_ws.py",  # 450 s
     "test_serving_decode_graphs.py",  # 365 s: two servers that compile decode graphs (2026-12-05)
+    "test_serving_pd.py",  # CI: 255 s + 275 s (then test_serving_pd_layout.py); merged: 4 starts, 250 s here (12-07)
     "test_serving_multirank.py",  # 297 s
     "test_realtime_web_served.py",  # 288 s with its server start (221 s on a loaded 2-core machine, 2026-12-07)
     "test_soak_realtime.py",  # ~200 s: a 2-minute load, its server start and the reference probe (2026-12-05)
     "test_fleet.py",  # 138 s
-    "test_serving_pd.py",  # 612 s, 554 s of it 3 server starts, beside other helpers (2026-12-07)
-    "test_serving_pd_layout.py",  # 1302 s, 1193 s of it 4 server starts, at load 12-20 (2026-12-07)
     "test_serving_pd_faults.py",  # 1734 s at load 20-75 beside other helpers (2026-12-07): 2 starts and a restart
     "test_serving_kv_layout.py",  # 130 s
     "test_serving.py",  # with test_serving_cache.py: 119 s
