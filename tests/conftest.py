@@ -56,16 +56,7 @@ SERVED_WITHOUT_POOL = {
     "test_serving_pd.py": {"aggregated", "pd"},  # an aggregated server, then a PD pair behind smg (+1 stock decode)
     "test_serving_pd_faults.py": {"fleet"},  # a prefill and a decode worker behind smg, page 1; the decode one killed
     "test_serving_pd_startup.py": "*",  # a decode launch_server refused at argument resolution
-    "test_serving_realtime.py": {  # an in-process sglang.Engine (run_engine)
-        "test_one_session_equals_the_reference_stream",
-        "test_a_windowed_session_equals_the_reference_log_probabilities",
-        "test_a_bf16_session_at_page_128_stays_within_the_bf16_spread",
-        "test_a_pool_smaller_than_a_context_refuses_a_session",
-        "test_a_prompt_barges_into_a_served_turn",
-        "test_a_prompt_right_after_a_frame_joins_its_step",
-        "test_a_rate_cap_paces_each_turn",
-        "test_a_prompt_that_overfills_the_context_ends_the_session_with_context_exhausted",
-    },
+    "test_serving_realtime.py": {"engines"},  # in-process sglang.Engines, one at a time
     "test_serving_realtime_ws.py": "*",
     "test_soak_realtime.py": "*",  # benchmarks/soak_realtime.py --minutes 2 serves the tiny-realtime model
 }

@@ -9,6 +9,7 @@ is driven without the WebSocket layer (tested on its own in `test_realtime_proto
 """
 
 import asyncio
+import contextlib
 import statistics
 
 import numpy as np
@@ -76,33 +77,60 @@ async def served_session(engine, script=SCRIPT, **config):
     return session, received
 
 
-def run_engine(checkpoint, drive, **server_args):
-    import sglang
+class Engines:
+    """At most one in-process engine (a start is ~40 s on 2 cores): a test that asks for the arguments of the live
+    one gets it with its radix cache flushed; any other arguments stop it and start their own. A test that fails
+    inside the engine stops it, so the next one starts clean."""
 
-    args = {
-        "max_total_tokens": 4096,
-        "page_size": 1,
-        "disable_overlap_schedule": True,
-        "dtype": "float32",
-        **server_args,
-    }
-    with sglang_restored_after_an_in_process_engine():
-        engine = sglang.Engine(
-            model_path=str(checkpoint),
-            trust_remote_code=True,
-            enable_multimodal=True,
-            device="cpu",
-            sleep_on_idle=True,
-            **args,
-        )
+    DEFAULTS = {"max_total_tokens": 4096, "page_size": 1, "disable_overlap_schedule": True, "dtype": "float32"}
+
+    def __init__(self):
+        self.key = None
+        self.engine = None
+        self.held = contextlib.ExitStack()
+
+    def run(self, checkpoint, drive, **server_args):
+        import sglang
+
+        args = {**self.DEFAULTS, **server_args}
+        key = (str(checkpoint), tuple(sorted(args.items())))
+        if key != self.key:
+            self.close()
+            self.held.enter_context(sglang_restored_after_an_in_process_engine())
+            self.engine = sglang.Engine(
+                model_path=str(checkpoint),
+                trust_remote_code=True,
+                enable_multimodal=True,
+                device="cpu",
+                sleep_on_idle=True,
+                **args,
+            )
+            self.held.callback(self.engine.shutdown)
+            self.key = key
+        else:
+            assert self.engine.flush_cache().success
         try:
-            return engine.loop.run_until_complete(drive(engine))
-        finally:
-            engine.shutdown()
+            return self.engine.loop.run_until_complete(drive(self.engine))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        self.held.close()
+        self.key = self.engine = None
 
 
-def test_one_session_equals_the_reference_stream(realtime_checkpoint, reference_tokens):
-    session, received = run_engine(realtime_checkpoint, served_session)
+@pytest.fixture(scope="module")
+def engines():
+    live = Engines()
+    try:
+        yield live
+    finally:
+        live.close()
+
+
+def test_one_session_equals_the_reference_stream(realtime_checkpoint, reference_tokens, engines):
+    session, received = engines.run(realtime_checkpoint, served_session)
     kinds = [output.kind for output, _ in received]
     tokens = list(session.generated)
     silence = AutoProcessor.from_pretrained(
@@ -111,6 +139,23 @@ def test_one_session_equals_the_reference_stream(realtime_checkpoint, reference_
     assert reference_tokens.count(silence) == len(SCRIPT) + 1, "every reference turn ends on <|silence|>"
     assert tokens == reference_tokens
     assert kinds[0] == "ready" and kinds.count("silence") == len(SCRIPT) + 1
+
+
+RATE = 10.0
+
+
+def test_a_rate_cap_paces_each_turn(realtime_checkpoint, reference_tokens, engines):
+    """`max_tokens_per_turn` = 10 tokens/s: every step generates one token, text within a turn comes 1/rate apart
+    (the median gap; each gap at least a quarter of it, a step's own latency varying; uncapped, tokens come one decode
+    step apart, a few ms on the tiny model), and the tokens still equal the reference stream's."""
+    session, received = engines.run(
+        realtime_checkpoint, lambda engine: served_session(engine, max_tokens_per_turn=RATE)
+    )
+    texts = [(output.turn_id, at) for output, at in received if output.kind == "text"]
+    assert list(session.generated) == reference_tokens
+    assert all(count == 1 for _, _, count in session.segments), session.segments
+    gaps = [b - a for (turn_a, a), (turn_b, b) in zip(texts, texts[1:]) if turn_a == turn_b]
+    assert gaps and statistics.median(gaps) >= 0.9 / RATE and min(gaps) >= 0.25 / RATE, gaps
 
 
 class _Manager:
@@ -160,7 +205,7 @@ def reference_logprobs(session) -> list[float]:
     return values
 
 
-def test_a_windowed_session_equals_the_reference_log_probabilities(realtime_checkpoint):
+def test_a_windowed_session_equals_the_reference_log_probabilities(realtime_checkpoint, engines):
     """With a 1 s frame window at page 8, chunked prefill 8 (a page holds under 2 frames, so evicted pages are
     given back and kept pages hold evicted keys): every token and its log-probability equal the reference stream
     with the same window. The tiny model's greedy tokens do not change with the window, its log-probabilities do:
@@ -170,7 +215,7 @@ def test_a_windowed_session_equals_the_reference_log_probabilities(realtime_chec
     unwindowed = reference_session(model, processor, WINDOW_SCRIPT, None, record_logits=True)
     expected, without = reference_logprobs(windowed), reference_logprobs(unwindowed)
     del model
-    session, _ = run_engine(
+    session, _ = engines.run(
         realtime_checkpoint,
         lambda engine: served_session(engine, WINDOW_SCRIPT, return_logprob=True, frame_window_s=WINDOW_S),
         page_size=8,
@@ -182,7 +227,7 @@ def test_a_windowed_session_equals_the_reference_log_probabilities(realtime_chec
     assert max(abs(a - b) for a, b in zip(expected, without)) > 1e-3
 
 
-def test_a_bf16_session_at_page_128_stays_within_the_bf16_spread(realtime_checkpoint):
+def test_a_bf16_session_at_page_128_stays_within_the_bf16_spread(realtime_checkpoint, engines):
     """bf16 and page 128, the NPU's settings (overlap scheduling on): every token's log-probability against the
     session's steps replayed (teacher-forced) through the reference stream in fp32. Tolerance: the dtype's own
     spread, the same replay with the reference model in bf16 against fp32: mean error within 1.5x its mean + 0.01
@@ -190,7 +235,7 @@ def test_a_bf16_session_at_page_128_stays_within_the_bf16_spread(realtime_checkp
     worst is one ill-conditioned token, on which the bf16 reference errs most too: measured 0.36 served, 0.21
     reference, 2026-12-06). The same check with the frames' images swapped must fail (measured: mean 0.6, worst 5.7;
     a frame read from the wrong rows or a mask with the wrong polarity moves the log-probabilities that much)."""
-    session, _ = run_engine(
+    session, _ = engines.run(
         realtime_checkpoint,
         lambda engine: served_session(engine, return_logprob=True),
         dtype="bfloat16",
@@ -223,7 +268,7 @@ def test_a_bf16_session_at_page_128_stays_within_the_bf16_spread(realtime_checkp
     assert not within(wrong), "swapped frames stay within the tolerance: the check cannot fail"
 
 
-def test_a_pool_smaller_than_a_context_refuses_a_session(realtime_checkpoint):
+def test_a_pool_smaller_than_a_context_refuses_a_session(realtime_checkpoint, engines):
     """On an engine whose KV pool (1024 tokens) cannot hold one context (4096), opening a session is refused with
     `insufficient_kv_capacity`, read from the scheduler's own start-up report."""
     from mossvl_ascend.realtime.engine import ServedRealtimeEngine
@@ -238,7 +283,7 @@ def test_a_pool_smaller_than_a_context_refuses_a_session(realtime_checkpoint):
     def drive(engine):
         return refused_open(engine, engine.get_server_info())
 
-    error, info, sessions = run_engine(realtime_checkpoint, drive, max_total_tokens=1024, context_length=4096)
+    error, info, sessions = engines.run(realtime_checkpoint, drive, max_total_tokens=1024, context_length=4096)
     assert info["max_total_num_tokens"] < 4096
     assert error.code == "insufficient_kv_capacity" and "4096" in error.message
     assert not sessions
@@ -289,13 +334,13 @@ async def barge_in_session(engine):
     return session, kinds, tokens_before_the_prompt
 
 
-def test_a_prompt_barges_into_a_served_turn(realtime_checkpoint):
+def test_a_prompt_barges_into_a_served_turn(realtime_checkpoint, engines):
     """On the engine (overlap scheduling on, as served), a prompt arriving while a frame's step runs its extend
     stops that step before its next token: it keeps the extend's token only, nothing decoded after the interrupt is
     sent or kept; the prompt opens a new turn over the kept KV. Oracle: the session's steps replayed through the
     reference stream, every token the reference's greedy pick given the same step boundaries
     (`support.realtime.replay_mismatches`)."""
-    session, kinds, tokens_before_the_prompt = run_engine(
+    session, kinds, tokens_before_the_prompt = engines.run(
         realtime_checkpoint, barge_in_session, disable_overlap_schedule=False
     )
     assert "interrupted" in kinds
@@ -352,7 +397,7 @@ async def prompt_after_frame_session(engine):
     return session, outputs
 
 
-def test_a_prompt_right_after_a_frame_joins_its_step(realtime_checkpoint):
+def test_a_prompt_right_after_a_frame_joins_its_step(realtime_checkpoint, engines):
     """On the engine (overlap scheduling on), a prompt that reaches the scheduler before the frame's step started its
     extend is taken by that step: one step holds the prompt then the frame, the rows the reference drains when both
     are pending (prompts first), where an interrupt would cost a second extend. Oracle: the rows written out
@@ -360,7 +405,7 @@ def test_a_prompt_right_after_a_frame_joins_its_step(realtime_checkpoint):
     drained prompt."""
     from support.realtime import frame_string, splice_string
 
-    session, outputs = run_engine(realtime_checkpoint, prompt_after_frame_session, disable_overlap_schedule=False)
+    session, outputs = engines.run(realtime_checkpoint, prompt_after_frame_session, disable_overlap_schedule=False)
     tokenizer = AutoProcessor.from_pretrained(realtime_checkpoint, trust_remote_code=True).tokenizer
     rows = tokenizer(splice_string("What moved?") + frame_string(0.0), add_special_tokens=False)["input_ids"]
     assert len(session.segments) == 2, "the initial turn, then one step for the frame and the prompt"
@@ -369,21 +414,6 @@ def test_a_prompt_right_after_a_frame_joins_its_step(realtime_checkpoint):
     assert events == [("processed", 0, 1, None), ("interrupted", 1, 0, 1), ("processed", 1, 0, 1)]
     model, processor = load_reference(realtime_checkpoint)
     assert replay_mismatches(model, processor, session.segments, session.generated, {0.0: noise_image(1)}) == []
-
-
-RATE = 10.0
-
-
-def test_a_rate_cap_paces_each_turn(realtime_checkpoint, reference_tokens):
-    """`max_tokens_per_turn` = 10 tokens/s: every step generates one token, text within a turn comes 1/rate apart
-    (the median gap; each gap at least a quarter of it, a step's own latency varying; uncapped, tokens come one decode
-    step apart, a few ms on the tiny model), and the tokens still equal the reference stream's."""
-    session, received = run_engine(realtime_checkpoint, lambda engine: served_session(engine, max_tokens_per_turn=RATE))
-    texts = [(output.turn_id, at) for output, at in received if output.kind == "text"]
-    assert list(session.generated) == reference_tokens
-    assert all(count == 1 for _, _, count in session.segments), session.segments
-    gaps = [b - a for (turn_a, a), (turn_b, b) in zip(texts, texts[1:]) if turn_a == turn_b]
-    assert gaps and statistics.median(gaps) >= 0.9 / RATE and min(gaps) >= 0.25 / RATE, gaps
 
 
 CONTEXT = 512
@@ -431,14 +461,14 @@ async def overfilling_prompt_after_frame_session(engine):
     return session, outputs
 
 
-def test_a_prompt_that_overfills_the_context_ends_the_session_with_context_exhausted(realtime_checkpoint):
+def test_a_prompt_that_overfills_the_context_ends_the_session_with_context_exhausted(realtime_checkpoint, engines):
     """The prompt reaches the scheduler while the frame's step is queued, and the session's context cannot hold both:
     the step declines the prompt, runs its own rows (interrupted after its extend), and the prompt's step is refused:
     the client gets `context_exhausted`. Oracle: what the session kept (the initial turn, then the frame's rows
     alone) replayed through the reference stream, token for token."""
     from support.realtime import frame_string
 
-    session, outputs = run_engine(realtime_checkpoint, overfilling_prompt_after_frame_session, context_length=CONTEXT)
+    session, outputs = engines.run(realtime_checkpoint, overfilling_prompt_after_frame_session, context_length=CONTEXT)
     errors = [o for o in outputs if o.kind == "error"]
     assert [(e.code, e.fatal) for e in errors] == [("context_exhausted", True)], outputs
     tokenizer = AutoProcessor.from_pretrained(realtime_checkpoint, trust_remote_code=True).tokenizer
