@@ -47,7 +47,8 @@ stale = sorted(
 )
 import mossvl_ascend
 print("PROBE" + json.dumps({"ours": ours, "unapplied": [t for t in ours if t not in HookRegistry._patched],
-                            "modules": list(mossvl_ascend.PATCH_MODULES), "replaced": [t for t, _ in replaced], "stale": stale}))
+                            "modules": list(mossvl_ascend.PATCH_MODULES), "replaced": [t for t, _ in replaced],
+                            "stale": stale}))
 """
 
 
