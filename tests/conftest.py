@@ -64,15 +64,15 @@ SERVED_WITHOUT_POOL = {
 # whole to one worker (its module-scoped fixtures, servers among them, are set up once). Modules whose servers the
 # pool shares form one unit, in the order that lets each borrow the one before's.
 SHARED_SERVER_GROUPS = [
-    ["test_serving_paged.py", "test_serving_chunked.py"],  # the chunked module borrows the paged module's last server
+    # The paged module borrows the decode-graph module's eager server, the chunked module the paged module's last.
+    ["test_serving_decode_graphs.py", "test_serving_paged.py", "test_serving_chunked.py"],
     ["test_serving.py", "test_serving_cache.py"],  # the cache module borrows test_serving.py's two servers
 ]
 # The units a worker takes first, longest first (wall seconds in the fresh-clone CI of 2026-12-03, docs/testing.md),
 # so that the longest ones do not start last; the units not named here follow, by name.
 LONGEST_FIRST = [
-    "test_serving_paged.py",  # with test_serving_chunked.py: 561 s
+    "test_serving_decode_graphs.py",  # with the paged and chunked modules: 380 + 439 + 373 s in CI (2026-12-07)
     "test_serving_realtime_ws.py",  # 450 s
-    "test_serving_decode_graphs.py",  # 365 s: two servers that compile decode graphs (2026-12-05)
     "test_serving_pd.py",  # CI: 255 s + 275 s (then test_serving_pd_layout.py); merged: 4 starts, 250 s here (12-07)
     "test_serving_multirank.py",  # 297 s
     "test_realtime_web_served.py",  # 288 s with its server start (221 s on a loaded 2-core machine, 2026-12-07)

@@ -152,12 +152,13 @@ def graph_run(server, processor) -> dict:
 @pytest.fixture(scope="module")
 def served(checkpoint, processor, reference, server_pool):
     results = {}
-    with server_pool.lease(checkpoint, BASE_ARGS + PAGE_128_CHUNKED, name="paged-radix") as server:
-        results["eager"] = {"logprobs": logprobs(server, processor)}
     for name, paging in (("graph-p128", PAGE_128_CHUNKED), ("graph-p1", PAGE_1_CHUNKED)):
         args = BASE_ARGS + paging + GRAPHS + ["--cuda-graph-bs-decode", *BUCKETS[name]]
         with server_pool.lease(checkpoint, args, env=GRAPH_ENV, name=name, ready_timeout_s=900) as server:
             results[name] = graph_run(server, processor)
+    # Last: the eager server is test_serving_paged.py's first (the next module of this one's shared-server group).
+    with server_pool.lease(checkpoint, BASE_ARGS + PAGE_128_CHUNKED, name="paged-radix") as server:
+        results["eager"] = {"logprobs": logprobs(server, processor)}
     return results
 
 

@@ -5,9 +5,10 @@ parametrized fixture: one server alive at a time), started through ``serving.lau
 ``make serve ARGS="--tp-size 2"`` starts it, with the core split per rank it chooses. Every answer is compared token
 for token with the reference transformers model (fp32, greedy), computed before any server starts.
 
-- ``tp2``: the tiny checkpoint (4 query / 2 KV heads): attention heads and KV heads split one KV head per rank, the
-  vision tower sharded as sglang shards it, gloo collectives (``mossvl_ascend.patches.cpu_parallel``).
-- ``tp2_page128``: the same at the NPU's page size, where a request's encoder and text share 128-slot pages.
+- ``tp2_page128``: the tiny checkpoint (4 query / 2 KV heads) at the NPU's page size, where a request's encoder and
+  text share 128-slot pages: attention heads and KV heads split one KV head per rank, the vision tower sharded as
+  sglang shards it, gloo collectives (``mossvl_ascend.patches.cpu_parallel``). TP at page 1 (the CPU default) is the
+  same split with one-slot pages: ``tp2_mqa`` and ``dp2`` serve page 1.
 - ``tp2_mqa``: the ``tiny-mqa`` preset (4 query / 1 KV head): fewer KV heads than ranks. sglang's CPU engine pads the
   model to 2 KV / 8 query heads with zero heads (``configs.update_config.adjust_config_with_unaligned_cpu_tp``), so
   each rank holds one real or one padded KV head; the answers must not notice.
@@ -38,7 +39,6 @@ PARITY_ORDER = [
 BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"]
 # name -> (checkpoint preset, sglang arguments, ranks the log must show as (tp_rank, dp_rank) pairs)
 CONFIGURATIONS = {
-    "tp2": ("tiny", ["--tp-size", "2"], {("0/2", "None"), ("1/2", "None")}),
     "tp2_page128": ("tiny", ["--tp-size", "2", "--page-size", "128"], {("0/2", "None"), ("1/2", "None")}),
     "tp2_mqa": ("tiny-mqa", ["--tp-size", "2"], {("0/2", "None"), ("1/2", "None")}),
     "dp2": ("tiny", ["--dp-size", "2"], {("0/1", "0"), ("0/1", "1")}),
