@@ -64,14 +64,21 @@ SERVED_WITHOUT_POOL = {
 # whole to one worker (its module-scoped fixtures, servers among them, are set up once). Modules whose servers the
 # pool shares form one unit, in the order that lets each borrow the one before's.
 SHARED_SERVER_GROUPS = [
-    # The paged module borrows the decode-graph module's eager server, the chunked module the paged module's last.
-    ["test_serving_decode_graphs.py", "test_serving_paged.py", "test_serving_chunked.py"],
-    ["test_serving.py", "test_serving_cache.py"],  # the cache module borrows test_serving.py's two servers
+    # The paged module borrows the decode-graph module's eager server; its last, the unchunked page-1 baseline, is
+    # test_serving.py's page-1 server; the cache module borrows test_serving.py's two, and keeps the page-1 one alive
+    # for the chunked module's baseline.
+    [
+        "test_serving_decode_graphs.py",
+        "test_serving_paged.py",
+        "test_serving.py",
+        "test_serving_cache.py",
+        "test_serving_chunked.py",
+    ],
 ]
 # The units a worker takes first, longest first (wall seconds in the fresh-clone CI of 2026-12-03, docs/testing.md),
 # so that the longest ones do not start last; the units not named here follow, by name.
 LONGEST_FIRST = [
-    "test_serving_decode_graphs.py",  # with the paged and chunked modules: 380 + 439 + 373 s in CI (2026-12-07)
+    "test_serving_decode_graphs.py",  # with its group: 380 + 439 + 147 + 72 + 373 s in CI (2026-12-07)
     "test_serving_realtime_ws.py",  # 450 s
     "test_serving_pd.py",  # CI: 255 s + 275 s (then test_serving_pd_layout.py); merged: 4 starts, 250 s here (12-07)
     "test_serving_multirank.py",  # 297 s
@@ -80,7 +87,6 @@ LONGEST_FIRST = [
     "test_fleet.py",  # 138 s
     "test_serving_pd_faults.py",  # 1734 s at load 20-75 beside other helpers (2026-12-07): 2 starts and a restart
     "test_serving_kv_layout.py",  # 130 s
-    "test_serving.py",  # with test_serving_cache.py: 119 s
     "test_serving_media.py",  # 130 s (one run, 2026-12-05, with its server start: 69 s)
     "test_launch.py",  # 103 s
     "test_real_layout_checkpoint.py",  # 93 s

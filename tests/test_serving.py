@@ -3,8 +3,10 @@
 Every answer is compared with the reference transformers model (fp32, greedy) token for token: this is the
 proof that the frame-causal cross-attention mask survives the whole engine (processor, scheduler, radix cache,
 the patched Ascend native attention the CPU server runs). Reference ids are computed before the server starts.
-One server per page size for the whole module, from the session's server pool (`tests/support/server_pool.py`:
-`tests/test_serving_cache.py` borrows the same two, their cache flushed).
+One server per page size for the whole module, from the session's server pool (`tests/support/server_pool.py`):
+the page-1 one is the unchunked baseline (`UNCHUNKED_PAGE_ONE_ARGS`: these prompts fit the default chunk anyway)
+that `tests/test_serving_paged.py` starts last and `tests/test_serving_chunked.py` borrows too;
+`tests/test_serving_cache.py` borrows both, their cache flushed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from support.serving import (
     CASES,
     GREEDY,
     MAX_TOKENS,
+    PAGE_128_ARGS,
+    UNCHUNKED_PAGE_ONE_ARGS,
     cached_tokens,
     load_reference,
     reference_ids,
@@ -46,7 +50,7 @@ def reference(checkpoint):
 # Page size 1 is sglang's CPU default; 128 is the NPU's, where a request's encoder and text share pages.
 @pytest.fixture(scope="module", params=[1, 128], ids=lambda size: f"page{size}")
 def server(request, checkpoint, reference, server_pool):
-    args = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report", "--page-size", str(request.param)]
+    args = UNCHUNKED_PAGE_ONE_ARGS if request.param == 1 else PAGE_128_ARGS
     with server_pool.lease(checkpoint, args, name=f"test-serving-page{request.param}") as running:
         yield running
 

@@ -14,16 +14,26 @@ from openai import OpenAI
 from PIL import Image
 
 from mossvl_ascend.attention.kv_layout import LayerBands, encoder_row_len
-from support.serving import ASSETS, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
+from support.serving import (
+    ASSETS,
+    MAX_TOKENS,
+    PAGE_128_ARGS,
+    UNCHUNKED_PAGE_ONE_ARGS,
+    cached_tokens,
+    load_reference,
+    reference_ids,
+    served_ids,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
-BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"]
-# The first two are tests/test_serving.py's servers (the same arguments): the session's pool lends them, flushed.
+# The first two are tests/test_serving.py's servers (the same arguments): the session's pool lends them, flushed. The
+# page-1 one is used after the page-128 one, so that it is the one still alive for tests/test_serving_chunked.py
+# (next in the shared-server group) when the radix-off server starts.
 SERVERS = {
-    "radix_page1": BASE_ARGS + ["--page-size", "1"],
-    "radix_page128": BASE_ARGS + ["--page-size", "128"],
-    "radix_off": BASE_ARGS + ["--disable-radix-cache"],
+    "radix_page128": PAGE_128_ARGS,
+    "radix_page1": UNCHUNKED_PAGE_ONE_ARGS,
+    "radix_off": ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report", "--disable-radix-cache"],
 }
 
 LONG_QUESTION = (

@@ -155,7 +155,7 @@ def short_ttft_median(results: dict) -> float:
 @pytest.fixture(scope="module")
 def unchunked(checkpoint, processor, reference, server_pool):
     """Baseline figures of the unchunked server: prompt logprobs per case, short-request TTFT under load."""
-    # The paged module's page-1 baseline server (the pool lends it when that module ran just before).
+    # The paged module's page-1 baseline server, lent by the pool (its shared-server group ran before this module).
     with server_pool.lease(checkpoint, UNCHUNKED_PAGE_ONE_ARGS, name="chunked-baseline") as server:
         client, model_name = openai_client(server)
         logprobs = all_prompt_logprobs(server, processor)

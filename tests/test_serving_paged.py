@@ -116,8 +116,8 @@ def retracting(checkpoint, reference, page_128, server_pool):
 
 @pytest.fixture(scope="module")
 def page_one(checkpoint, processor, reference, retracting, server_pool):
-    """Started after the page-128 servers: this module's last server is the one the chunked module (next in the
-    session's order) borrows as its unchunked baseline."""
+    """Started after the page-128 servers: this module's last server is the unchunked page-1 baseline that the next
+    modules of its shared-server group borrow (test_serving.py, test_serving_cache.py, test_serving_chunked.py)."""
     with server_pool.lease(checkpoint, UNCHUNKED_PAGE_ONE_ARGS, name="paged-page1") as server:
         return all_logprobs(server, processor)
 

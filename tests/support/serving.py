@@ -41,6 +41,8 @@ UNCHUNKED_PAGE_ONE_ARGS = [
     "--mem-fraction-static",
     "0.71",
 ]
+# tests/test_serving.py's and tests/test_serving_cache.py's page-128 server.
+PAGE_128_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report", "--page-size", "128"]
 # Chunked (or page-128) prompts against the unchunked baseline in fp32: a chunk and a whole prompt reduce attention and
 # the logits in a different order. On the tiny checkpoints' logits (|logit| up to ~44) 8 fp32 ulps are 3.05e-5
 # (measured in fp64 by test_realtime_stream's oracle); the largest gaps seen are 1.24e-5 (three turns, one-row chunks)
