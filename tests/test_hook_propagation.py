@@ -19,6 +19,7 @@ import pytest
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from mossvl_ascend.patches.hook_propagation import INDEXED, index_hook_propagation
+from support.hooks import registry_restored_after
 
 SOURCES = {
     "a": """
@@ -74,17 +75,13 @@ EXPECTED = {
 @contextlib.contextmanager
 def registry_alone():
     """HookRegistry with no hook but the test's; its state and ``apply_hooks`` put back after."""
-    saved_hooks = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
-    saved_patched = set(HookRegistry._patched)
     saved_apply = HookRegistry.__dict__["apply_hooks"]
-    HookRegistry.reset()
-    try:
-        yield
-    finally:
+    with registry_restored_after():
         HookRegistry.reset()
-        HookRegistry._hooks.update(saved_hooks)
-        HookRegistry._patched.update(saved_patched)
-        HookRegistry.apply_hooks = saved_apply
+        try:
+            yield
+        finally:
+            HookRegistry.apply_hooks = saved_apply
 
 
 def stock_apply_hooks():

@@ -59,7 +59,7 @@ def _put_back(originals) -> None:
 
 
 @contextlib.contextmanager
-def _registry_restored_after():
+def registry_restored_after():
     saved_hooks = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
     saved_patched = set(HookRegistry._patched)
     try:
@@ -75,7 +75,7 @@ def patches_applied(*patches: Patch):
     """Apply these hook patches (platform checks are the caller's business); restore everything on exit."""
     if any(p.kind == AT_LOAD for p in patches):
         raise ValueError("load-time changes (sys.modules, the hook machinery) are tested in a subprocess")
-    with _registry_restored_after():
+    with registry_restored_after():
         HookRegistry.reset()
         for patch in patches:
             apply_patch(patch)
@@ -100,7 +100,7 @@ def sglang_restored_after_an_in_process_engine():
     targets = [p.target for p in patches_for(CPU, all_patches()) if p.kind != AT_LOAD]
     loaded = plugin_loader._plugins_loaded
     stock_apply_hooks = HookRegistry.__dict__["apply_hooks"]
-    with _registry_restored_after():
+    with registry_restored_after():
         originals = _saved_originals(targets)
         try:
             yield
