@@ -3,8 +3,8 @@
 The converter's output of the tiny checkpoint, one server in bf16 at page size 128 on the simulated Ascend route of
 tests/test_npu_route_served.py (support/npu_route_probe.py: every stock layer's NPU branch, stock's ModelSlim linear
 method calling the STAND-IN ``npu_dynamic_quant`` / ``npu_quant_matmul``, stock's NPU KV pool), decode graphs on
-(``--enable-torch-compile``, stock's CPU graph runner, buckets {1, 4}): a request alone replays bucket 1, three at
-once the padded bucket 4, eight at once decode eagerly (above the largest bucket), so both decode paths are checked.
+(``--enable-torch-compile``, stock's CPU graph runner, one bucket of 4): a request alone and three at once replay it
+padded, eight at once decode eagerly (above the bucket), so both decode paths are checked.
 
 Oracle: the reference transformers model, fp32, whose quantized linears compute in fp64 from the same int8 weights
 and scales with the activations quantized per token as the torch_npu page defines it (``s = max|x| / 127``,
@@ -53,7 +53,7 @@ MAX_TOKENS = 8
 LOGPROB_BOUND = 0.17
 # A reference step whose top-2 logprobs are closer than this may flip in bf16: no case may contain one.
 TIE_MARGIN = 2 * LOGPROB_BOUND
-BUCKETS = ["1", "4"]
+BUCKETS = ["4"]
 GRAPHS = ["--enable-torch-compile", "--cuda-graph-bs-decode", *BUCKETS, "--decode-log-interval", "1"]
 # Stock's switch that holds the scheduler's input while the tokenizer processes a batch request: its requests are
 # scheduled together, so a batch of three decodes as three rows and a batch of eight as eight.
@@ -196,8 +196,8 @@ def ask_together(base_url, reference, names: list[str]) -> list[tuple[list[int],
 
 @pytest.fixture(scope="module")
 def served(int8_checkpoint, reference, tmp_path_factory):
-    """One INT8 server on the NPU route with decode graphs: each case alone (bucket 1), three at once (bucket 4,
-    padded), all four twice at once (eight rows: eager decode)."""
+    """One INT8 server on the NPU route with decode graphs: each case alone and three at once (bucket 4, padded),
+    all four twice at once (eight rows: eager decode)."""
     tmp = tmp_path_factory.mktemp("int8-route")
     args = ["--dtype", "bfloat16", "--page-size", "128", "--skip-server-warmup", *GRAPHS]
     server = SglangServer(int8_checkpoint, extra_args=args, name="int8-npu-route", ready_timeout_s=900)

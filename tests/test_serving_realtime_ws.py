@@ -10,9 +10,9 @@ With a frame window (`MOSSVL_REALTIME_FRAME_WINDOW_S`) the oracle is the referen
 300-frame stream must hold no more encoder slots than its window's frames need (whole pages).
 
 A server start is about a minute on CI's two cores, so every test whose configuration it is runs on one shared server
-(`shared_server`: page 128, the radix cache, a session cap, an API key, benchmark mode), which each test borrows idle
-with its radix cache empty and reads its log from the borrow on (`keyed_server`). The others start a server of their
-own, for a flag or environment the shared tests must not run under (said at each).
+(`shared_server`: page 128, the radix cache, CPU decode graphs, a session cap, an API key, benchmark mode), which each
+test borrows idle with its radix cache empty and reads its log from the borrow on (`keyed_server`). The others start a
+server of their own, for a flag or environment the shared tests must not run under (said at each).
 """
 
 import asyncio
@@ -63,12 +63,21 @@ STEP_LINE = re.compile(
 )
 # Stock's decode log line (every step with --decode-log-interval 1): whether the CPU graph ran it.
 DECODE_LINE = re.compile(r"Decode batch, #running-req: \d+,.*?cpu graph: (True|False)")
+# The shared server's request cap (its comment below).
+SESSION_CAP = 5
 # Every server here: fp32, and no warm-up request before /health answers (each test's first session is one; ~3 s
 # of start-up each).
 SERVER_BASE = ["--dtype", "float32", "--skip-server-warmup"]
 # Each configuration but the shared server's (SHARED_CONFIG) differs from it in what a server is started with.
 CONFIGS = {
-    "page128-radix": ["--page-size", "128"],
+    # The shared server: page 128, the radix cache and CPU decode graphs (torch.compile), as an NPU serves (decode
+    # graphs are on by default there); one bucket of the session cap (stock captures no bucket above
+    # --max-running-requests): every decode step of the sessions (slot-major encoders) and of the ordinary requests
+    # replays the graph, padded, and stock logs each step.
+    "page128-radix-graphs": [
+        *("--page-size", "128", "--enable-torch-compile", "--cuda-graph-bs-decode", str(SESSION_CAP)),
+        *("--decode-log-interval", "1"),
+    ],
     "page1-noradix-chunk8-mixed": ["--disable-radix-cache", "--chunked-prefill-size", "8", "--enable-mixed-chunk"],
     # Two data-parallel ranks: every step of a session must reach the rank that holds its KV.
     "dp2-page128": ["--dp-size", "2", "--page-size", "128"],
@@ -77,15 +86,9 @@ CONFIGS = {
     # A 1 s frame window: the 2 fps scripts evict frames, and a page of 8 slots (under 2 tiny frames) is given back
     # while the page it shares with the window's first frame keeps evicted keys the rows must not see.
     "window1s-page8-chunk8": ["--page-size", "8", "--chunked-prefill-size", "8"],
-    # CPU decode graphs (torch.compile), one bucket of 8: every decode step of the sessions (slot-major encoders)
-    # and the ordinary request replays the graph, padded; stock logs each step.
-    "graphs-page128": [
-        *("--page-size", "128", "--enable-torch-compile", "--cuda-graph-bs-decode", "8"),
-        *("--decode-log-interval", "1"),
-    ],
 }
 WINDOWS = {"window1s-page8-chunk8": 1.0}
-SHARED_CONFIG = "page128-radix"
+SHARED_CONFIG = "page128-radix-graphs"
 # An image question with its own system turn: the realtime checkpoint's chat template adds its realtime system
 # prompt to a conversation without one, sglang's "moss-vl" template does not.
 ALONGSIDE = [{"role": "system", "content": "Answer briefly."}, *CASES["image_data_url"]]
@@ -97,7 +100,6 @@ ALONGSIDE = [{"role": "system", "content": "Answer briefly."}, *CASES["image_dat
 # `benchmark_ignore_eos`.
 API_KEY = "sk-realtime-served"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-SESSION_CAP = 5
 SHARED_ARGS = [
     *(*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096", *CONFIGS[SHARED_CONFIG]),
     *("--max-running-requests", str(SESSION_CAP), "--api-key", API_KEY),
