@@ -75,24 +75,25 @@ SHARED_SERVER_GROUPS = [
         "test_serving_chunked.py",
     ],
 ]
-# The units a worker takes first, longest first (wall seconds in the fresh-clone CI of 2026-12-03, docs/testing.md),
-# so that the longest ones do not start last; the units not named here follow, by name.
+# The units a worker takes first, longest first (wall seconds in the fresh-clone CI rehearsal of 2026-12-07 18:02,
+# before that day's last cuts), so that the longest ones do not start last; the units not named here follow, by name.
 LONGEST_FIRST = [
-    "test_serving_decode_graphs.py",  # with its group: 380 + 439 + 147 + 72 + 373 s in CI (2026-12-07)
-    "test_serving_realtime_ws.py",  # 450 s
-    "test_serving_pd.py",  # CI: 255 s + 275 s (then test_serving_pd_layout.py); merged: 4 starts, 250 s here (12-07)
-    "test_serving_multirank.py",  # 297 s
-    "test_realtime_web_served.py",  # 288 s with its server start (221 s on a loaded 2-core machine, 2026-12-07)
-    "test_soak_realtime.py",  # ~200 s: a 2-minute load, its server start and the reference probe (2026-12-05)
-    "test_fleet.py",  # 138 s
-    "test_serving_pd_faults.py",  # 1734 s at load 20-75 beside other helpers (2026-12-07): 2 starts and a restart
-    "test_serving_kv_layout.py",  # 130 s
-    "test_serving_media.py",  # 130 s (one run, 2026-12-05, with its server start: 69 s)
-    "test_launch.py",  # 103 s
-    "test_real_layout_checkpoint.py",  # 93 s
-    "test_npu_route_served.py",  # 89 s
-    "test_bench_realtime.py",  # 84 s
-    "test_serving_realtime.py",  # 83 s
+    "test_serving_decode_graphs.py",  # with its group: 380 + 439 + 147 + 72 + 373 s, now 3 starts fewer
+    "test_serving_realtime_ws.py",  # 710 s, 9 starts (now 8)
+    "test_serving_multirank.py",  # 430 s, 4 starts (now 3)
+    "test_serving_pd.py",  # 255 + 275 s with test_serving_pd_layout.py, 7 starts (now 4)
+    "test_serving_realtime.py",  # 371 s, 8 in-process engines (now 6)
+    "test_soak_realtime.py",  # 221 s: a 2-minute load, its server start and the reference probe
+    "test_serving_pd_faults.py",  # 219 s: 2 starts and a restart
+    "test_quant_served.py",  # 194 s: one start with decode graphs captured (now one bucket)
+    "test_serving_kv_layout.py",  # 178 s
+    "test_fleet.py",  # 177 s
+    "test_real_layout_checkpoint.py",  # 142 s
+    "test_npu_route_served.py",  # 129 s
+    "test_launch.py",  # 121 s
+    "test_bench_realtime.py",  # 97 s
+    "test_serving_media.py",  # 83 s
+    "test_realtime_web_served.py",  # 78 s
 ]
 # At most this many servers alive at once (more only while every one is in use): ~1.5 GB each.
 POOL_MAX_ALIVE = 2
