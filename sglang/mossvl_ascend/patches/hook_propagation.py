@@ -2,13 +2,16 @@
 
 ``HookRegistry.apply_hooks`` (``sglang/srt/plugins/hook_registry.py``) wraps each target, then calls
 ``_propagate_patch``, which walks every attribute of every module in ``sys.modules`` to rebind the ``from X import
-f`` copies of the original. With this plugin's ~60 targets and the ~6,000 modules a server process has loaded, that
-is ~60 full walks: 3.5 s of CPU in each of a server's three processes (launcher, scheduler, detokenizer), measured
-with cProfile on 2026-12-07 (``_propagate_patch`` 3.49 s of ``load_plugins``' 5.7 s in a detokenizer-like process).
+f`` copies of the original. With this plugin's 64 targets and the ~6,850 modules a server process has loaded, that
+is 64 full walks: 2.2 s of CPU in each of a server's three processes (launcher, scheduler, detokenizer), timed on
+2026-12-07 in a detokenizer-like process (cProfile had first shown it as 3.49 s of ``load_plugins``' 5.7 s).
 
 Here each ``apply_hooks`` run builds one index of the module attributes by the identity of their values, and every
-propagation of that run reads it: the same rebinding as stock's walk (an attribute is rebound when it holds the
-original at that moment), for modules imported during the run too (they are indexed at the next propagation).
+propagation of that run reads it (0.7-1.0 s in the same process, the same 16 attributes rebound): an attribute is
+rebound when it holds the original at that moment, as in stock's walk, for modules imported during the run too (they
+are indexed at the next propagation, and so is a module whose attribute count changed since). What the index cannot
+see is an attribute of an indexed module set to the original later by something other than an import, without
+adding an attribute; during ``apply_hooks`` only imports run.
 """
 
 from __future__ import annotations
@@ -100,8 +103,8 @@ PATCHES = (
         platforms=frozenset({NPU, CPU}),
         why=(
             "`_propagate_patch` walks every attribute of every loaded module once per hooked target to rebind "
-            "`from X import f` copies; with this plugin's ~60 targets and ~6,000 loaded modules that is 3.5 s of CPU "
-            "in each of a server's three processes (cProfile, 2026-12-07), ~10 s of every server start on 2 cores"
+            "`from X import f` copies; with this plugin's 64 targets and ~6,850 loaded modules that is 2.2 s of CPU "
+            "in each of a server's three processes (timed 2026-12-07), ~6.5 s of CPU in every server start"
         ),
         how=(
             "at plugin load (the plugin runs inside `load_plugins`, before it calls `apply_hooks`), `apply_hooks` is "
