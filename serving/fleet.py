@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving.launch import LOG_DIR, REPO_ROOT, SglangServer, free_port
+from serving.launch import LOG_DIR, REPO_ROOT, SglangServer, exit_on_sigterm, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_ceiling=args.kv_ceiling,
         pd=args.pd,
     )
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    exit_on_sigterm()
     with fleet:
         for server in fleet.servers:
             print(f"worker   {server.base_url}   (log {server.log_path})", flush=True)

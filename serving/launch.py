@@ -384,6 +384,13 @@ class SglangServer:
             return "(no log)"
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (``kill PID``, a supervisor stopping the process) unwind like Ctrl-C, so that the caller's ``with``
+    blocks stop its servers by PID; by default the process dies at once and its servers, each in its own session, run
+    on."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Foreground server: this module's environment and command, then exec (Ctrl-C stops sglang directly)."""
     parser = argparse.ArgumentParser(

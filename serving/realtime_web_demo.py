@@ -10,6 +10,7 @@ import sys
 import time
 
 from mossvl_ascend.realtime.web_page import PAGE_PATH
+from serving.launch import exit_on_sigterm
 from serving.realtime_demo import realtime_server, realtime_server_parser
 
 
@@ -17,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = realtime_server_parser(__doc__)
     parser.add_argument("--port", type=int, default=30000, help="port on 127.0.0.1 (default 30000)")
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     with realtime_server(args, "demo-realtime-web", port=args.port) as s:
         print(f"server ready in {s.startup_seconds:.1f} s (log: {s.log_path})")
         print(f"realtime page: http://localhost:{s.port}{PAGE_PATH}")
