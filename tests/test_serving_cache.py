@@ -16,6 +16,7 @@ from PIL import Image
 from mossvl_ascend.attention.kv_layout import LayerBands, encoder_row_len
 from support.serving import (
     ASSETS,
+    FP32_REPORTING_ARGS,
     MAX_TOKENS,
     PAGE_128_ARGS,
     UNCHUNKED_PAGE_ONE_ARGS,
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.timeout(900)
 SERVERS = {
     "radix_page128": PAGE_128_ARGS,
     "radix_page1": UNCHUNKED_PAGE_ONE_ARGS,
-    "radix_off": ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report", "--disable-radix-cache"],
+    "radix_off": [*FP32_REPORTING_ARGS, "--disable-radix-cache"],
 }
 
 LONG_QUESTION = (

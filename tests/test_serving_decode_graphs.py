@@ -25,6 +25,8 @@ import requests
 
 from support.serving import (
     CASES,
+    FP32_REPORTING_ARGS,
+    PAGE_128_CHUNKED,
     batch_chat_logprobs,
     chat_logprobs,
     load_reference,
@@ -49,8 +51,6 @@ MIXED = {f"mixed_{name}": CASES[name] for name in SINGLE} | {
 # Text only: with no vision token in the batch, stock replays the graph it captured without cross-attention.
 TEXT = {f"text_{i}": short_case(2 * i) for i in range(8)}
 ALL_CASES = {name: CASES[name] for name in SINGLE} | MIXED | TEXT
-BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"]
-PAGE_128_CHUNKED = ["--page-size", "128", "--chunked-prefill-size", "256", "--enable-mixed-chunk"]
 PAGE_1_CHUNKED = ["--page-size", "1", "--chunked-prefill-size", "256"]
 GRAPHS = ["--enable-torch-compile", "--decode-log-interval", "1"]
 BUCKETS = {"graph-p128": ["4", "8"], "graph-p1": ["1", "8"]}
@@ -153,11 +153,11 @@ def graph_run(server, processor) -> dict:
 def served(checkpoint, processor, reference, server_pool):
     results = {}
     for name, paging in (("graph-p128", PAGE_128_CHUNKED), ("graph-p1", PAGE_1_CHUNKED)):
-        args = BASE_ARGS + paging + GRAPHS + ["--cuda-graph-bs-decode", *BUCKETS[name]]
+        args = FP32_REPORTING_ARGS + paging + GRAPHS + ["--cuda-graph-bs-decode", *BUCKETS[name]]
         with server_pool.lease(checkpoint, args, env=GRAPH_ENV, name=name, ready_timeout_s=900) as server:
             results[name] = graph_run(server, processor)
     # Last: the eager server is test_serving_paged.py's first (the next module of this one's shared-server group).
-    with server_pool.lease(checkpoint, BASE_ARGS + PAGE_128_CHUNKED, name="paged-radix") as server:
+    with server_pool.lease(checkpoint, FP32_REPORTING_ARGS + PAGE_128_CHUNKED, name="paged-radix") as server:
         results["eager"] = {"logprobs": logprobs(server, processor)}
     return results
 

@@ -29,14 +29,21 @@ from moss_vl_reference.tiny_checkpoint import build_or_reuse
 from mossvl_ascend.patches import cpu_parallel, rank_report
 from mossvl_ascend.patches.cpu_parallel import without_pynccl
 from serving.launch import SglangServer, cpu_threads_bind, rank_count
-from support.serving import CASES, MAX_TOKENS, cached_tokens, load_reference, reference_ids, served_ids
+from support.serving import (
+    CASES,
+    FP32_REPORTING_ARGS,
+    MAX_TOKENS,
+    cached_tokens,
+    load_reference,
+    reference_ids,
+    served_ids,
+)
 
 pytestmark = pytest.mark.timeout(1200)
 
 PARITY_ORDER = [
     "image_data_url", "two_images", "three_turns", "video", "text_only", "same_images_shifted", "long_question"
 ]  # fmt: skip
-BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"]
 # name -> (checkpoint preset, sglang arguments, ranks the log must show as (tp_rank, dp_rank) pairs)
 CONFIGURATIONS = {
     "tp2_page128": ("tiny", ["--tp-size", "2", "--page-size", "128"], {("0/2", "None"), ("1/2", "None")}),
@@ -62,7 +69,9 @@ def references():
 def served(request, references):
     name = request.param
     preset, args, ranks = CONFIGURATIONS[name]
-    with SglangServer(build_or_reuse(preset), extra_args=BASE_ARGS + args, name=f"test-multirank-{name}") as server:
+    with SglangServer(
+        build_or_reuse(preset), extra_args=FP32_REPORTING_ARGS + args, name=f"test-multirank-{name}"
+    ) as server:
         client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=300)
         yield {
             "name": name,

@@ -28,6 +28,8 @@ from serving.launch import REPO_ROOT
 from support.serving import (
     CASES,
     FP32_ORDER_TOLERANCE,
+    FP32_REPORTING_ARGS,
+    PAGE_128_CHUNKED,
     UNCHUNKED_PAGE_ONE_ARGS,
     cached_tokens,
     chat_logprobs,
@@ -49,10 +51,6 @@ PAGED_CASES = {name: CASES[name] for name in PARITY_ORDER} | {
     **{f"long{i}": long_case(i) for i in range(4)},
     **{f"short{i}": short_case(i) for i in range(4)},
 }
-BASE_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"]
-# Two pages per chunk: with --enable-mixed-chunk stock takes one token per running request off the chunk budget
-# and rounds a new request up to whole pages, so a one-page budget admits nothing while any request decodes.
-PAGE_128_CHUNKED = ["--page-size", "128", "--chunked-prefill-size", "256", "--enable-mixed-chunk"]
 RADIX = {"radix": [], "no_radix": ["--disable-radix-cache"]}
 FIGURES = REPO_ROOT / "build" / "serving_paged_figures.json"
 REPEATS = 2  # rounds of all cases at once on the radix server after the first
@@ -88,7 +86,7 @@ def page_128(checkpoint, processor, reference, server_pool):
     """Per radix setting: all cases at once (REPEATS + 1 rounds with the radix cache on), then logprobs one by one."""
     results = {}
     for config, flags in RADIX.items():
-        args = BASE_ARGS + PAGE_128_CHUNKED + flags
+        args = FP32_REPORTING_ARGS + PAGE_128_CHUNKED + flags
         with server_pool.lease(checkpoint, args, name=f"paged-{config}") as server:
             rounds = [all_at_once(server) for _ in range(1 + (REPEATS if config == "radix" else 0))]
             results[config] = {
@@ -105,7 +103,7 @@ def retracting(checkpoint, reference, page_128, server_pool):
     ``SGLANG_TEST_RETRACT`` switch calls the real ``ScheduleBatch.retract_decode``)."""
     results = {}
     for config, flags in RADIX.items():
-        args = BASE_ARGS + PAGE_128_CHUNKED + flags
+        args = FP32_REPORTING_ARGS + PAGE_128_CHUNKED + flags
         retract = {"SGLANG_TEST_RETRACT": "1"}
         with server_pool.lease(checkpoint, args, env=retract, name=f"paged-retract-{config}") as server:
             served = all_at_once(server)

@@ -24,25 +24,24 @@ MAX_TOKENS = 10
 GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
 # sglang extensions: return ids, never stop early, report radix-cache hits.
 TOKEN_IDS = {"return_token_ids": True, "return_prompt_token_ids": True, "ignore_eos": True}
-# The logprob baseline of the paged and the chunked modules: fp32 at page 1, prefill never chunked, one server lent
-# to both by the pool. An explicit ``--chunked-prefill-size -1`` makes stock CPU memory resolution compute a negative
-# ``--mem-fraction-static`` (it sizes activation memory from the chunk size): the value stock resolves with its default
-# chunk size is given instead. ``--page-size 1`` is the CPU default; ``--enable-cache-report`` only adds the cached
-# token count to each answer's usage.
+# The served modules' base: fp32, no warm-up request before /health answers, the cached token count in each answer's
+# usage. The pool lends a live server only to equal arguments, so the modules that share servers build theirs from
+# these lists.
+FP32_REPORTING_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report"]
+# The logprob baseline of the paged and the chunked modules (and test_serving.py's page-1 server): fp32 at page 1,
+# prefill never chunked, one server lent to all by the pool. An explicit ``--chunked-prefill-size -1`` makes stock CPU
+# memory resolution compute a negative ``--mem-fraction-static`` (it sizes activation memory from the chunk size): the
+# value stock resolves with its default chunk size is given instead. ``--page-size 1`` is the CPU default.
 UNCHUNKED_PAGE_ONE_ARGS = [
-    "--dtype",
-    "float32",
-    "--skip-server-warmup",
-    "--enable-cache-report",
-    "--page-size",
-    "1",
-    "--chunked-prefill-size",
-    "-1",
-    "--mem-fraction-static",
-    "0.71",
+    *FP32_REPORTING_ARGS,
+    *("--page-size", "1", "--chunked-prefill-size", "-1", "--mem-fraction-static", "0.71"),
 ]
 # tests/test_serving.py's and tests/test_serving_cache.py's page-128 server.
-PAGE_128_ARGS = ["--dtype", "float32", "--skip-server-warmup", "--enable-cache-report", "--page-size", "128"]
+PAGE_128_ARGS = [*FP32_REPORTING_ARGS, "--page-size", "128"]
+# Page 128 chunked, the paged module's and the decode-graph module's eager baseline (one server lent to both). Two
+# pages per chunk: with --enable-mixed-chunk stock takes one token per running request off the chunk budget and
+# rounds a new request up to whole pages, so a one-page budget admits nothing while any request decodes.
+PAGE_128_CHUNKED = ["--page-size", "128", "--chunked-prefill-size", "256", "--enable-mixed-chunk"]
 # Chunked (or page-128) prompts against the unchunked baseline in fp32: a chunk and a whole prompt reduce attention and
 # the logits in a different order. On the tiny checkpoints' logits (|logit| up to ~44) 8 fp32 ulps are 3.05e-5
 # (measured in fp64 by test_realtime_stream's oracle); the largest gaps seen are 1.24e-5 (three turns, one-row chunks)
