@@ -126,6 +126,21 @@ def test_the_ascend_backend_with_memfabric_needs_its_store_url(
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("name", ["ASCEND_USE_FIA", "ASCEND_USE_FA"])
+def test_a_pd_worker_on_npu_refuses_the_fused_ascend_kv_paths(
+    pd_hooks_applied, simulated_ascend_host, memfabric_installed, monkeypatch, mode, name
+):
+    """With ``ASCEND_USE_FIA``/``ASCEND_USE_FA`` stock's NPU pool writes and reads K/V through other paths
+    (``NPUMHATokenToKVPool.set_kv_buffer``'s ``npu_scatter_nd_update_`` under ``use_fia``) that know nothing of the
+    layout's bands, and the extend ignores the encoder prefix: a PD worker is refused at start-up as an aggregated one
+    is (``tests/test_server_args.py``), so the transfer's band description never meets them."""
+    monkeypatch.setenv("ASCEND_MF_STORE_URL", "tcp://127.0.0.1:8100")
+    monkeypatch.setenv(name, "1")
+    message = refusal("--device", "npu", "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "ascend")
+    assert name in message
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_the_ascend_backend_resolves_on_the_simulated_ascend_host_with_memfabric_and_its_store(
     pd_hooks_applied, simulated_ascend_host, memfabric_installed, monkeypatch, mode
 ):
