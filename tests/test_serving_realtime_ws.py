@@ -7,17 +7,19 @@ vision tower and the extend held only the step's rows (so a silent re-prefill fa
 pool is idle (`/v1/loads`). An ordinary OpenAI request runs alongside and still equals the reference model.
 
 With a frame window (`MOSSVL_REALTIME_FRAME_WINDOW_S`) the oracle is the reference stream with the same window, and a
-300-frame stream must hold no more encoder slots than its window's frames need (whole pages).
+300-frame stream must hold exactly the whole pages its window's frames touch.
 
 A server start is about a minute on CI's two cores, so every test whose configuration it is runs on one shared server
 (`shared_server`: page 128, the radix cache, CPU decode graphs, a session cap, an API key, benchmark mode), which each
-test borrows idle with its radix cache empty and reads its log from the borrow on (`keyed_server`). The others start a
-server of their own, for a flag or environment the shared tests must not run under (said at each).
+test borrows idle with its radix cache empty and reads its log from the borrow on (`keyed_server`); the frame-window
+tests share one more (`window_server`: the window is fixed at start-up). The others start a server of their own, for
+a flag or environment the shared tests must not run under (said at each).
 """
 
 import asyncio
 import contextlib
 import io
+import math
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +67,8 @@ STEP_LINE = re.compile(
 DECODE_LINE = re.compile(r"Decode batch, #running-req: \d+,.*?cpu graph: (True|False)")
 # The shared server's request cap (its comment below).
 SESSION_CAP = 5
+# The window server's page: under two tiny frames.
+WINDOW_PAGE = 8
 # Every server here: fp32, and no warm-up request before /health answers (each test's first session is one; ~3 s
 # of start-up each).
 SERVER_BASE = ["--dtype", "float32", "--skip-server-warmup"]
@@ -84,10 +88,15 @@ CONFIGS = {
     # Two tensor-parallel ranks: each rank's scheduler keeps its half of every session's K/V.
     "tp2-page128": ["--tp-size", "2", "--page-size", "128"],
     # A 1 s frame window: the 2 fps scripts evict frames, and a page of 8 slots (under 2 tiny frames) is given back
-    # while the page it shares with the window's first frame keeps evicted keys the rows must not see.
-    "window1s-page8-chunk8": ["--page-size", "8", "--chunked-prefill-size", "8"],
+    # while the page it shares with the window's first frame keeps evicted keys the rows must not see. The 300-frame
+    # stream runs here too: its ~3950 text rows and its window need an 8192-token context.
+    "window1s-page8-chunk8": [
+        *("--max-total-tokens", "12000", "--context-length", "8192", "--page-size", str(WINDOW_PAGE)),
+        *("--chunked-prefill-size", "8"),
+    ],
 }
-WINDOWS = {"window1s-page8-chunk8": 1.0}
+WINDOW_CONFIG = "window1s-page8-chunk8"
+WINDOWS = {WINDOW_CONFIG: 1.0}
 SHARED_CONFIG = "page128-radix-graphs"
 # An image question with its own system turn: the realtime checkpoint's chat template adds its realtime system
 # prompt to a conversation without one, sglang's "moss-vl" template does not.
@@ -182,12 +191,29 @@ async def all_sessions(server) -> dict:
     return dict(zip(names, clients))
 
 
+@pytest.fixture(scope="module")
+def window_server(checkpoint):
+    """The frame-window server (`WINDOW_CONFIG`), for the four sessions and the 300-frame stream."""
+    extra = [*SERVER_BASE, *CONFIGS[WINDOW_CONFIG]]
+    env = {FRAME_WINDOW_ENV: str(WINDOWS[WINDOW_CONFIG])}
+    with SglangServer(checkpoint, extra_args=extra, name=f"realtime-{WINDOW_CONFIG}", env=env) as server:
+        yield server
+
+
+def borrowed(server) -> Lease:
+    """A module's server for one test, its log read from here on (``server_log``)."""
+    return Lease(server, reused=True, log_offset=server.log_path.stat().st_size)
+
+
 @contextlib.contextmanager
 def four_sessions_server(request, checkpoint, config: str):
-    """The shared server for its configuration; for every other, a server of its own (ranks, graphs, page size,
-    chunking and the frame window are fixed at start-up)."""
+    """The shared server or the window server for their configurations; for every other, a server of its own
+    (ranks, graphs, page size and chunking are fixed at start-up)."""
     if config == SHARED_CONFIG:
         yield request.getfixturevalue("keyed_server")
+        return
+    if config == WINDOW_CONFIG:
+        yield borrowed(request.getfixturevalue("window_server"))
         return
     extra = [*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096", *CONFIGS[config]]
     with SglangServer(checkpoint, extra_args=extra, name=f"realtime-{config}", ready_timeout_s=900) as server:
@@ -197,8 +223,6 @@ def four_sessions_server(request, checkpoint, config: str):
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config, monkeypatch, request):
     window = WINDOWS.get(config)
-    if window is not None:
-        monkeypatch.setenv(FRAME_WINDOW_ENV, str(window))
     graphs = "--enable-torch-compile" in CONFIGS[config]
     with four_sessions_server(request, checkpoint, config) as server:
         client, model_name = openai_client(server, api_key=API_KEY)
@@ -419,7 +443,6 @@ def test_parked_sessions_stalling_the_pool_lose_the_heaviest_and_the_others_go_o
 
 
 LONG_STREAM_FRAMES = 300
-WINDOW_FRAMES = 20
 HOLDS = re.compile(r"session holds (\d+) encoder \+ (\d+) text rows")
 
 
@@ -437,39 +460,39 @@ async def long_stream(url: str, server) -> dict:
 
 @pytest.fixture(scope="module")
 def long_reference(checkpoint):
-    """The reference stream of the 300-frame script with the window, and the vision tokens of one frame."""
+    """The reference stream of the 300-frame script with the window server's window, and the vision tokens of one
+    frame."""
     model, processor = load_reference(checkpoint)
     script = tuple(("frame", float(i), 1000 + i) for i in range(LONG_STREAM_FRAMES))
-    tokens = reference_generated(model, processor, script, WINDOW_FRAMES - 0.5)
+    tokens = reference_generated(model, processor, script, WINDOWS[WINDOW_CONFIG])
     image_processor = processor.image_processor
     _, grid = image_processor.realtime_frame(noise_image(0))
     merge = model.config.vision_config.spatial_merge_size
     return {"tokens": tokens, "frame_tokens": grid[1] * grid[2] // merge**2 + 1, "tokenizer": processor.tokenizer}
 
 
-@pytest.mark.parametrize("page", [1, 128])
-def test_a_long_stream_holds_only_its_window(checkpoint, long_reference, page, monkeypatch):
-    """A 300-frame stream with a 20-frame window (19.5 s at 1 fps): its output equals the reference stream with
-    that window, and parked after the last frame it holds its window's vision slots (at page 1 exactly; at page 128
-    rounded out to whole pages at both ends) plus its text; without the window the frames alone would need 1500.
-    One band per slot on the tiny checkpoint (2 self-attention and 2 cross-attention layers)."""
-    # A server of its own per page size: the frame window is the server's (a session cannot configure one), and the
-    # stream's ~3950 text rows and its window need an 8192-token context (the shared server's tests check its 4096).
-    monkeypatch.setenv(FRAME_WINDOW_ENV, str(WINDOW_FRAMES - 0.5))
-    extra = [*SERVER_BASE, "--max-total-tokens", "12000", "--context-length", "8192", "--page-size", str(page)]
-    with SglangServer(checkpoint, extra_args=extra, name=f"realtime-long-window-page{page}") as server:
-        url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
-        result = asyncio.run(long_stream(url, server))
-        idle = wait_until_idle(server)
-        log = server.log_path.read_text()
+def test_a_long_stream_holds_only_its_window(window_server, long_reference):
+    """A 300-frame stream at 1 fps on the window server (a 1 s window, pages of 8 slots): its output equals the
+    reference stream with that window, and parked after the last frame it holds exactly the whole pages its window's
+    frames touch plus its text; without the window the frames alone would need 300 frames' slots.
+
+    The oracle, from the window rule (frames more than the window behind the newest leave it) and whole pages:
+    one band per slot on the tiny checkpoint (2 self-attention and 2 cross-attention layers), so a frame's vision
+    tokens are its slots; every slot before the page holding the first kept frame's first slot is given back, and
+    the row ends on a whole page. At page 1 that is the window's frames' slots exactly."""
+    server = borrowed(window_server)
+    url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
+    result = asyncio.run(long_stream(url, server))
+    idle = wait_until_idle(server)
     assert served_turn_texts(result["client"]) == turn_texts(long_reference["tokenizer"], long_reference["tokens"])
-    encoder_rows, text_rows = map(int, HOLDS.findall(log)[-1])
-    window_slots = WINDOW_FRAMES * long_reference["frame_tokens"]
-    if page == 1:
-        assert encoder_rows == window_slots
-    else:
-        assert encoder_rows <= -(-window_slots // page) * page + page, encoder_rows
-    assert LONG_STREAM_FRAMES * long_reference["frame_tokens"] > encoder_rows + 2 * page
+    page, frame_slots = WINDOW_PAGE, long_reference["frame_tokens"]
+    newest = LONG_STREAM_FRAMES - 1
+    first_kept = math.ceil(newest - WINDOWS[WINDOW_CONFIG])  # at 1 fps frame i is at i s
+    given_back = first_kept * frame_slots // page * page
+    expected = -(-LONG_STREAM_FRAMES * frame_slots // page) * page - given_back
+    encoder_rows, text_rows = map(int, HOLDS.findall(server.log_text())[-1])
+    assert encoder_rows == expected, (encoder_rows, expected, first_kept, frame_slots, page)
+    assert expected < (LONG_STREAM_FRAMES - first_kept) * frame_slots + 2 * page  # a window's worth, not the stream's
     assert result["used"] <= encoder_rows + -(-(text_rows + 1) // page) * page, result["used"]
     assert all(load["num_used_tokens"] == 0 for load in idle), idle
 
