@@ -43,7 +43,6 @@ from support.suite_timings import SuiteTimings  # noqa: E402
 SERVED_WITHOUT_POOL = {
     "test_bench_realtime.py": "*",  # benchmarks/bench_realtime.py --quick serves the tiny-realtime model
     "test_fleet.py": {"fleet"},  # workers behind sglang's gateway (serving/fleet.py)
-    "test_launch.py": {"test_tp2_over_two_nodes_spelled_tp_serves_the_reference_tokens_at_page_128"},
     "test_npu_route_served.py": {"served"},
     "test_quant_served.py": {"served"},  # the INT8 tiny checkpoint on the simulated NPU route
     "test_real_layout_checkpoint.py": {  # a launch_server forced to code that cannot load
@@ -90,7 +89,6 @@ LONGEST_FIRST = [
     "test_fleet.py",  # 177 s
     "test_real_layout_checkpoint.py",  # 142 s
     "test_npu_route_served.py",  # 129 s
-    "test_launch.py",  # 121 s
     "test_bench_realtime.py",  # 97 s
     "test_serving_media.py",  # 83 s
     "test_realtime_web_served.py",  # 78 s

@@ -1,14 +1,18 @@
 """MOSS-VL served with several ranks on CPU: tensor parallel (TP=2) and data parallel (DP=2), fp32.
 
-Each configuration is one stock ``python -m sglang.launch_server`` + the plugin for the whole module (module-scoped,
-parametrized fixture: one server alive at a time), started through ``serving.launch`` exactly as
+Each configuration is stock ``python -m sglang.launch_server`` + the plugin for the whole module (module-scoped,
+parametrized fixture: one configuration alive at a time), started through ``serving.launch`` exactly as
 ``make serve ARGS="--tp-size 2"`` starts it, with the core split per rank it chooses. Every answer is compared token
 for token with the reference transformers model (fp32, greedy), computed before any server starts.
 
-- ``tp2_page128``: the tiny checkpoint (4 query / 2 KV heads) at the NPU's page size, where a request's encoder and
-  text share 128-slot pages: attention heads and KV heads split one KV head per rank, the vision tower sharded as
-  sglang shards it, gloo collectives (``mossvl_ascend.patches.cpu_parallel``). TP at page 1 (the CPU default) is the
-  same split with one-slot pages: ``tp2_mqa`` and ``dp2`` serve page 1.
+- ``tp2_two_nodes_page128``: the tiny checkpoint (4 query / 2 KV heads) at the NPU's page size, where a request's
+  encoder and text share 128-slot pages, over two loopback "nodes" as a two-host deployment starts it
+  (``--tp 2 --nnodes 2 --node-rank 0|1 --dist-init-addr 127.0.0.1:P``, ``--tp`` being argparse's prefix of
+  ``--tp-size``): one TP rank per launch, node 1 running its scheduler and a health-only HTTP server; each node gets
+  one core's worth of OpenMP threads (both share this machine, where real nodes would not). Attention heads and KV
+  heads split one KV head per rank, the vision tower sharded as sglang shards it, gloo collectives
+  (``mossvl_ascend.patches.cpu_parallel``). TP at page 1 (the CPU default) is the same split with one-slot pages:
+  ``tp2_mqa`` and ``dp2`` serve page 1, in one launch.
 - ``tp2_mqa``: the ``tiny-mqa`` preset (4 query / 1 KV head): fewer KV heads than ranks. sglang's CPU engine pads the
   model to 2 KV / 8 query heads with zero heads (``configs.update_config.adjust_config_with_unaligned_cpu_tp``), so
   each rank holds one real or one padded KV head; the answers must not notice.
@@ -28,7 +32,7 @@ from openai import OpenAI
 from moss_vl_reference.tiny_checkpoint import build_or_reuse
 from mossvl_ascend.patches import cpu_parallel, rank_report
 from mossvl_ascend.patches.cpu_parallel import without_pynccl
-from serving.launch import SglangServer, cpu_threads_bind, rank_count
+from serving.launch import THREADS_BIND_ENV, SglangServer, cpu_threads_bind, free_port, rank_count
 from support.serving import (
     CASES,
     FP32_REPORTING_ARGS,
@@ -44,9 +48,9 @@ pytestmark = pytest.mark.timeout(1200)
 PARITY_ORDER = [
     "image_data_url", "two_images", "three_turns", "video", "text_only", "same_images_shifted", "long_question"
 ]  # fmt: skip
-# name -> (checkpoint preset, sglang arguments, ranks the log must show as (tp_rank, dp_rank) pairs)
+# name -> (checkpoint preset, sglang arguments, ranks the logs must show as (tp_rank, dp_rank) pairs)
 CONFIGURATIONS = {
-    "tp2_page128": ("tiny", ["--tp-size", "2", "--page-size", "128"], {("0/2", "None"), ("1/2", "None")}),
+    "tp2_two_nodes_page128": ("tiny", ["--tp", "2", "--page-size", "128"], {("0/2", "None"), ("1/2", "None")}),
     "tp2_mqa": ("tiny-mqa", ["--tp-size", "2"], {("0/2", "None"), ("1/2", "None")}),
     "dp2": ("tiny", ["--dp-size", "2"], {("0/1", "0"), ("0/1", "1")}),
 }
@@ -65,22 +69,41 @@ def references():
     return expected
 
 
+def launches(name: str) -> list[SglangServer]:
+    """The configuration's launches: one, or one per node (node 0 serves HTTP)."""
+    preset, args, _ = CONFIGURATIONS[name]
+    checkpoint, args = build_or_reuse(preset), FP32_REPORTING_ARGS + args
+    if "two_nodes" not in name:
+        return [SglangServer(checkpoint, extra_args=args, name=f"test-multirank-{name}")]
+    args = [*args, "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port(span=8)}"]
+    return [
+        SglangServer(checkpoint, extra_args=[*args, "--node-rank", str(rank)], name=f"test-multirank-{name}-node{rank}",
+                     env={THREADS_BIND_ENV: str(rank), "OMP_NUM_THREADS": "1"})
+        for rank in (0, 1)
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="module", params=list(CONFIGURATIONS))
 def served(request, references):
     name = request.param
-    preset, args, ranks = CONFIGURATIONS[name]
-    with SglangServer(
-        build_or_reuse(preset), extra_args=FP32_REPORTING_ARGS + args, name=f"test-multirank-{name}"
-    ) as server:
+    nodes = launches(name)
+    try:
+        with ThreadPoolExecutor(len(nodes)) as pool:  # node 0 is healthy only once node 1 joined: start both at once
+            list(pool.map(SglangServer.start, nodes))
+        server = nodes[0]
         client = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=300)
         yield {
             "name": name,
             "server": server,
+            "nodes": nodes,
             "client": client,
             "model": client.models.list().data[0].id,
-            "expected": references[preset],
-            "ranks": ranks,
+            "expected": references[CONFIGURATIONS[name][0]],
+            "ranks": CONFIGURATIONS[name][2],
         }
+    finally:
+        for node in nodes:  # node 0 first: its shutdown stops node 1's scheduler
+            node.stop()
 
 
 @pytest.mark.parametrize("args,ranks", [
@@ -117,8 +140,11 @@ def test_multi_rank_patches_apply_on_the_cpu_engine_only_and_the_rank_line_on_np
 
 
 def test_plugin_is_active_in_every_rank(served):
-    found = set(RANK_LINE.findall(served["server"].log_path.read_text(errors="replace")))
+    logs = [node.log_path.read_text(errors="replace") for node in served["nodes"]]
+    found = {rank for log in logs for rank in RANK_LINE.findall(log)}
     assert found == served["ranks"], served["server"].log_tail()
+    if len(logs) == 2:
+        assert RANK_LINE.findall(logs[1]) == [("1/2", "None")], "node 1 runs TP rank 1 with the plugin"
 
 
 @pytest.mark.parametrize("case", PARITY_ORDER)
