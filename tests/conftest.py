@@ -78,8 +78,8 @@ SHARED_SERVER_GROUPS = [
 # before that day's last cuts), so that the longest ones do not start last; the units not named here follow, by name.
 LONGEST_FIRST = [
     "test_serving_decode_graphs.py",  # with its group: 380 + 439 + 147 + 72 + 373 s, now 3 starts fewer
-    "test_serving_realtime_ws.py",  # 710 s, 9 starts (now 8)
-    "test_serving_multirank.py",  # 430 s, 4 starts (now 3)
+    "test_serving_realtime_ws.py",  # 710 s, 9 starts (now 6)
+    "test_serving_multirank.py",  # 430 s, 4 starts (now 3 configurations, one over two nodes)
     "test_serving_pd.py",  # 255 + 275 s with test_serving_pd_layout.py, 7 starts (now 4)
     "test_serving_realtime.py",  # 371 s, 8 in-process engines (now 6)
     "test_soak_realtime.py",  # 221 s: a 2-minute load, its server start and the reference probe
