@@ -4,8 +4,9 @@
 
 - The layer boundary's ``msgspec`` structs break a dynamo trace (the stock ``Contribution`` fails
   ``fullgraph=True``); their traceable twins trace and keep the structs' fields, defaults and methods.
-- The compiled step's text K/V write (``mossvl::store_decode_kv``) lands in its layer's band of a shared storage
-  tensor and nowhere else, and the same graph reads it back.
+- The compiled step's text K/V write (``mossvl::store_decode_rows``) lands in its layer's band of a shared storage
+  tensor and nowhere else, and the same graph reads it back; rows another thread writes meanwhile (a PD decode
+  server's incoming KV) stay as written, K and V, in stock's pool (both halves of one tensor).
 - The CPU decode op builds a step's metadata once for all its layers, and anew for every fill of the buffers, even
   a fill with the same rows (a pool row reused by another request must not get the previous step's gather tables).
 """
@@ -134,7 +135,7 @@ def test_a_steps_layers_share_one_metadata_and_each_fill_gets_its_own():
 
 def test_the_compiled_kv_write_lands_in_its_band_of_the_shared_storage_and_nowhere_else():
     """Two bands of one storage tensor (as ``patches.kv_pool`` shapes a cross layer's storage for two self layers):
-    a compiled step writes band 1's rows ``loc`` through ``mossvl::store_decode_kv`` (bf16 values into an fp32
+    a compiled step writes band 1's rows ``loc`` through ``mossvl::store_decode_rows`` (bf16 values into an fp32
     cache, cast as the pool casts) and reads them back in the same graph; band 0 and every other row keep their
     bytes."""
     storage = torch.randn(2 * 64, 2, 8)
@@ -154,3 +155,48 @@ def test_the_compiled_kv_write_lands_in_its_band_of_the_shared_storage_and_nowhe
     expected[64 + loc] = v.float()  # k then v into the same cache: v's values stay
     assert torch.equal(storage, expected)
     assert torch.equal(read, v.float() * 2)
+
+
+# What Mooncake's receiver does to a PD decode server's caches while a compiled step runs: it writes a transferred
+# request's rows from another thread, unseen by the compiler (stood in for by this op, which the step calls between
+# its K/V write and the end of the graph).
+TRANSFER_TARGETS: dict[str, torch.Tensor] = {}
+TRANSFERRED_ROW, TRANSFERRED_VALUE = 40, 7.0
+
+
+@torch.library.custom_op("mossvl_tests::attend_while_a_transfer_lands", mutates_args=())
+def attend_while_a_transfer_lands(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    for cache in TRANSFER_TARGETS.values():
+        cache[TRANSFERRED_ROW] = TRANSFERRED_VALUE
+    return query + k_cache[3].sum() + v_cache[3].sum()
+
+
+@attend_while_a_transfer_lands.register_fake
+def _(query, k_cache, v_cache):
+    return torch.empty_like(query)
+
+
+def test_a_compiled_step_keeps_the_rows_a_pd_transfer_writes_into_its_caches_meanwhile():
+    """Stock's CPU pool keeps a layer's K and V as the two halves of one tensor (`mem_cache/memory_pool.py`
+    `_create_buffers_normal`, what ``MOSSVL_KV_LAYOUT=stock`` serves). Issue 51: with one op mutating both caches,
+    inductor wrote V through a clone of the whole storage and copied it back at the end of the graph, reverting
+    the rows the PD transfer wrote in the meantime (a PD decode server then decoded a request whose V rows of one
+    layer were stale: the 16-together answers parted from the lone ones). Every row the step does not write keeps
+    what the transfer put there; the step's own rows hold its K and V."""
+    fused = torch.zeros(2, 64, 2, 8)
+    k_cache, v_cache = fused[0], fused[1]
+    TRANSFER_TARGETS.update(k=k_cache, v=v_cache)
+    loc = torch.tensor([3])
+    k, v = torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+
+    def step(query, k_cache, v_cache, loc, k, v):
+        decode_step.store_decode_kv(k_cache, v_cache, loc, k, v)
+        return attend_while_a_transfer_lands(query, k_cache, v_cache)
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(step, fullgraph=True, dynamic=False)(torch.zeros(1, 16), k_cache, v_cache, loc, k, v)
+    finally:
+        TRANSFER_TARGETS.clear()
+    assert torch.all(fused[:, TRANSFERRED_ROW] == TRANSFERRED_VALUE), fused[:, TRANSFERRED_ROW, 0]
+    assert torch.equal(k_cache[loc], k) and torch.equal(v_cache[loc], v)

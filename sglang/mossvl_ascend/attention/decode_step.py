@@ -138,19 +138,26 @@ def metadata_of_decode_table(seq_lens: torch.Tensor, table: torch.Tensor) -> For
     return metadata.with_lower_bounds(lowers)
 
 
-@torch.library.custom_op("mossvl::store_decode_kv", mutates_args=("k_cache", "v_cache"))
-def store_decode_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """Write a decode step's new text K/V into rows ``loc`` of a layer's cache, in place.
+@torch.library.custom_op("mossvl::store_decode_rows", mutates_args=("cache",))
+def store_decode_rows(cache: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write a decode step's new text K (or V) into rows ``loc`` of a layer's cache, in place.
 
     The same rows stock's pool writes (its CPU path without AMX: ``cache[loc] = k`` in the pool's dtype), as an op
     that declares the mutation: a layer's cache is a view into a storage tensor shared with other layers and
     bands, and ``torch.compile`` turns a traced index write into such a view into a copy of the whole view every
     layer and step (a micro-check: 100 ms against 0.5 ms at 65536 rows); a declared in-place op is written in
-    place."""
-    k_cache[loc] = k.to(k_cache.dtype)
-    v_cache[loc] = v.to(v_cache.dtype)
+    place. One cache per op: of an op mutating K and V both, inductor wrote the second through a clone of its whole
+    storage and copied the clone back at the end of the graph (issue 51), which costs a cache copy per layer and
+    step and reverts whatever another thread wrote meanwhile (a PD decode server's incoming KV)."""
+    cache[loc] = rows.to(cache.dtype)
+
+
+def store_decode_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """A decode step's new text K and V into rows ``loc`` of a layer's caches (:func:`store_decode_rows` each)."""
+    store_decode_rows(k_cache, loc, k)
+    store_decode_rows(v_cache, loc, v)
 
 
 @torch.library.custom_op("mossvl::decode_attention", mutates_args=())
